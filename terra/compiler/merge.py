@@ -314,11 +314,12 @@ class _Merger:
                 try:
                     lv = st.levels[ctx.level]
                     node = st.nodes[nid] if nid is not None else self.new_loop(lv, lkey)
-                    self.fold(node, inst, ctx)
+                    self.fold(node.id, inst, ctx)
                 except _NoFold:
                     st.__dict__.clear()
                     st.__dict__.update(snap)
                     continue
+                node = st.nodes[node.id]  # nested attempts may have replaced the objects
                 self.visit(node, ctx, inst.first)
                 node.trip_counts.setdefault(self.tid, []).append(len(inst.iterations))
                 st.loop_node_of[inst.uid] = node.id
@@ -336,16 +337,20 @@ class _Merger:
         self.st.levels[node.id] = body
         return node
 
-    def fold(self, node: _MNode, inst: _Instance, ctx: _Ctx):
-        body = self.st.levels[node.body]
+    def fold(self, body_id, inst: _Instance, ctx: _Ctx):
+        """Merge every iteration of `inst` into the body level `body_id` (objects are looked up
+        by id after each walk: a failed nested attempt restores a snapshot)."""
         for pos, items in enumerate(inst.iterations):
             rng = inst.ranges[pos]
             feeds = () if rng is None else tuple(sorted(
                 (s for s, f in self.first_feed_use.items() if rng[0] <= f <= rng[1]),
                 key=self.first_feed_use.get))
-            sub = _Ctx(node.body, ctx.chain + ((inst.uid, pos),), ctx.folded | {inst.depth}, feeds,
+            sub = _Ctx(body_id, ctx.chain + ((inst.uid, pos),), ctx.folded | {inst.depth}, feeds,
                        ctx.spans + ((inst.first, inst.last),))
-            body.add_edge(self.walk(items, sub, body.start), body.end)
+            last = self.walk(items, sub, self.st.levels[body_id].start)
+            body = self.st.levels[body_id]
+            body.add_edge(last, body.end)
+        body = self.st.levels[body_id]
         keys = [self.st.keys[n] for n in body.nodes if n not in (body.start, body.end)]
         if len(keys) != len(set(keys)):
             raise _NoFold("iterations read different data")
@@ -508,8 +513,9 @@ def merge(graph, trace: Trace) -> TraceGraph:
     st = _thaw(graph)
     items = _structure(trace.records, list(range(len(trace.records))), 0, iter(range(1 << 62)))
     m = _Merger(st, trace, graph.num_traces, _unfoldable(trace, items))
+    last = m.walk(items, _Ctx(_TOP), st.levels[_TOP].start)
     top = st.levels[_TOP]
-    top.add_edge(m.walk(items, _Ctx(_TOP), top.start), top.end)
+    top.add_edge(last, top.end)
     for f in trace.fetches:
         node = st.nodes[st.node_of[f.ref.record]]
         after = st.node_of[f.after_record - 1] if f.after_record > 0 else top.start

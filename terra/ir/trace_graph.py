@@ -206,6 +206,14 @@ class TraceGraph:
     def predecessors(self, n: int) -> tuple:
         return tuple(a for a, b in self.edges if b == n)
 
+    def path(self, trace_id: int) -> tuple:
+        """The node ids trace `trace_id` visited on this level, `(start, ..., end)` (a trace
+        visits a node at most once per level; inside a body, once per iteration)."""
+        visits = sorted((v[0], n.id) for n in self.nodes.values() if (v := n.seen.get(trace_id)))
+        if not visits and trace_id not in range(self.num_traces):
+            raise KeyError(f"no trace {trace_id} in this TraceGraph ({self.num_traces} traces)")
+        return (self.start,) + tuple(n for _, n in visits) + (self.end,)
+
     @property
     def op_nodes(self) -> tuple:
         return tuple(n for n in self.nodes.values() if n.kind in (OP, LOOP))
