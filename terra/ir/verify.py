@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from terra.ir.trace_graph import (END, LOOP, OP, START, Carried, NodeOut, Phi, Prev, TraceGraph)
+from terra.ir.trace_graph import (END, LOOP, START, Carried, NodeOut, Phi, Prev, TraceGraph)
 
 __all__ = ["DEBUG", "TraceGraphError", "debug_enabled", "verify"]
 
@@ -24,8 +24,9 @@ def debug_enabled() -> bool:
 def verify(g: TraceGraph, _ids: set | None = None, _outer: frozenset = frozenset()) -> None:
     """Check: edges name existing nodes; unique start (no in-edge) and end (no out-edge); acyclic;
     every node reachable from start and reaching end; node ids unique across loop bodies; sources
-    name existing nodes; phi options are distinct producers of this level that precede the node;
-    Carried/Prev only inside loop bodies and name body nodes; loop bodies recursively."""
+    name nodes that run before (an ancestor, or an ancestor of an enclosing loop node); phi
+    options are distinct producers of this level that precede the node, and no visit resolves to
+    two of them; Carried/Prev only inside loop bodies; loop bodies recursively."""
     if not isinstance(g, TraceGraph):
         raise TypeError(f"verify expects a TraceGraph, got {type(g).__name__}")
     ids = set() if _ids is None else _ids
@@ -68,7 +69,7 @@ def verify(g: TraceGraph, _ids: set | None = None, _outer: frozenset = frozenset
         for s in _sources(n.inputs):
             _check_source(g, n, s, local, _outer, ancestors[n.id], ids)
         if n.kind == LOOP:
-            verify(n.loop.body, ids, _outer | local | {"body"})
+            verify(n.loop.body, ids, _outer | ancestors[n.id] | {"body"})
             for o in n.loop.outputs:
                 if not isinstance(o, NodeOut) or o.node not in n.loop.body.nodes:
                     raise TraceGraphError(f"loop n{n.id}: output {o!r} is not a body value")
@@ -102,7 +103,7 @@ def _check_source(g, n, s, local, outer, anc, ids):
             if s.node not in anc:
                 raise TraceGraphError(f"n{n.id}: input {s!r} is not an ancestor of it")
         elif s.node not in outer:
-            raise TraceGraphError(f"n{n.id}: input {s!r} names no enclosing node")
+            raise TraceGraphError(f"n{n.id}: input {s!r} names no node that runs before it")
 
 
 def _sources(inputs):
