@@ -73,8 +73,6 @@ def verify(g: TraceGraph, _ids: set | None = None, _outer: frozenset = frozenset
             for o in n.loop.outputs:
                 if not isinstance(o, NodeOut) or o.node not in n.loop.body.nodes:
                     raise TraceGraphError(f"loop n{n.id}: output {o!r} is not a body value")
-        elif n.kind == OP and n.op is None and n.inputs:
-            raise TraceGraphError(f"n{n.id} has inputs but no op")
 
 
 def _check_source(g, n, s, local, outer, anc, ids):
