@@ -324,3 +324,140 @@ def test_random_programs_embed_every_trace():
             choices = path_choices(sc, path)
             blocks = [n for k, s in zip(choices, sc) if k < len(s.cases) for n in s.cases[k].block]
             assert tuple(blocks) == path[1:-1]
+
+
+# ------------------------------------------------- random programs with loops: data-flow replay
+def random_loop_program(rng):
+    """Pre op, a loop (trip count chosen per run, ops optional per iteration, an inner loop
+    sometimes), a post op. Sources mix same-iteration, previous-iteration, outer values, per-step
+    feeds and (rarely) per-iteration variables or reads of a non-last iteration after the loop."""
+    body = [(k, rng.random() < 0.4, rng.choice(["chain", "chain", "outer", "feed", "prev"]))
+            for k in range(rng.randrange(1, 4))]
+    per_iter_var = rng.random() < 0.15
+    read_first_after = rng.random() < 0.15
+    inner = rng.random() < 0.3
+
+    def run(r):
+        ops, feeds = [("Pre", [FeedRef(0)], loc(1))], 1
+        prev_last, first_of_loop = None, None
+        for i in range(r.randrange(0, 5)):
+            last = None
+            for k, optional, src in body:
+                if optional and r.random() < 0.5:
+                    continue
+                if src == "feed":
+                    inp = [FeedRef(feeds)]
+                    feeds += 1
+                elif src == "outer" or (last is None and prev_last is None):
+                    inp = [OutputRef(0)]
+                elif src == "prev" and prev_last is not None:
+                    inp = [OutputRef(prev_last)]
+                else:
+                    inp = [OutputRef(last if last is not None else prev_last)]
+                if per_iter_var:
+                    inp.append(VariableRef(i))
+                ops.append(("B%d" % k, inp, loc(200 + k, (199, i))))
+                last = len(ops) - 1
+                if first_of_loop is None:
+                    first_of_loop = last
+            if inner and last is not None:
+                for j in range(r.randrange(1, 3)):
+                    ops.append(("In", [OutputRef(len(ops) - 1)], loc(211, (199, i), (210, j))))
+                last = len(ops) - 1
+            prev_last = last if last is not None else prev_last
+        src = first_of_loop if read_first_after and first_of_loop is not None else prev_last
+        ops.append(("Post", [OutputRef(src if src is not None else 0)], loc(300)))
+        t = trace(*ops)
+        t.feeds = list(range(feeds))
+        return t
+    return run
+
+
+def replay(g, tid, t):
+    """Rebuild every record's inputs from the graph alone (nodes the trace visited, phis,
+    Prev/Carried, loop outputs, iteration feeds): must equal the recorded inputs."""
+    node_of, owner = {}, {}
+
+    def index(level, loop_node):
+        for n in level.nodes.values():
+            if n.kind == "op":
+                for i in n.seen.get(tid, ()):
+                    node_of[i], owner[n.id] = n, loop_node
+            elif n.kind == LOOP:
+                index(n.loop.body, n)
+    index(g, None)
+    all_nodes = {}
+
+    def collect(level):
+        for n in level.nodes.values():
+            all_nodes[n.id] = n
+            if n.kind == LOOP:
+                collect(n.loop.body)
+    collect(g)
+    recs = t.records
+
+    def iteration(r, depth):
+        """(first, last) record index of r's iteration of the loop at `depth`."""
+        key = recs[r].location.loops[:depth + 1]
+        a = b = r
+        while a > 0 and recs[a - 1].location.loops[:depth + 1] == key:
+            a -= 1
+        while b + 1 < len(recs) and recs[b + 1].location.loops[:depth + 1] == key:
+            b += 1
+        return a, b
+
+    def latest(nid, before):
+        return max(i for i in all_nodes[nid].seen[tid] if i < before)
+
+    def value(s, r):
+        n = node_of[r]
+        depth = max(n.folded) if n.folded else None
+        if isinstance(s, tuple):
+            return tuple(value(x, r) for x in s)
+        if isinstance(s, Phi):
+            s = max((o.source for o in s.options if any(i < r for i in
+                     all_nodes[o.source.node].seen.get(tid, ()))),
+                    key=lambda o: latest(o.node, r))
+        if isinstance(s, Carried):
+            first = recs[r].location.loops[depth].iteration == 0
+            return value(s.init if first else s.update, r)
+        if isinstance(s, Prev):
+            return produced(NodeOut(s.node, s.index), iteration(r, depth)[0])
+        if isinstance(s, IterFeed):
+            a, b = iteration(r, depth)
+            slots = []
+            for k in range(a, b + 1):
+                for ref in recs[k].inputs:
+                    if isinstance(ref, FeedRef) and ref.slot not in slots:
+                        slots.append(ref.slot)
+            return FeedRef(slots[s.ordinal])
+        if isinstance(s, NodeOut):
+            return produced(s, r)
+        return s
+
+    def produced(s, before):
+        m = all_nodes[s.node]
+        while m.kind == LOOP:  # a loop's output: its body value, last iteration
+            s = m.loop.outputs[s.index]
+            m = all_nodes[s.node]
+        return OutputRef(latest(m.id, before), s.index)
+    return [tuple(value(s, r.index) for s in node_of[r.index].inputs) for r in recs]
+
+
+def test_random_loop_programs_replay_exactly():
+    rng = random.Random(11)
+    folded = unrolled = 0
+    for prog in range(80):
+        run = random_loop_program(rng)
+        g, traces = None, []
+        for k in range(6):
+            traces.append(run(rng))
+            g = merge(g, traces[-1])
+        for tid, t in enumerate(traces):
+            assert covers(g, t), (prog, tid)
+            assert replay(g, tid, t) == [r.inputs for r in t.records], (prog, tid)
+        loops = [n for n in g.op_nodes if n.kind == LOOP]
+        folded += bool(loops)
+        unrolled += any(n.op is not None and n.op.location.loops and not n.folded
+                        for n in g.op_nodes)
+    assert folded > 20 and unrolled > 5   # both outcomes are exercised
