@@ -168,6 +168,7 @@ class _MLevel:
 class _State:
     def __init__(self):
         self.levels, self.nodes, self.keys = {}, {}, {}  # keys: node id -> key (cached)
+        self.bykey = {}  # (level id, key) -> node ids
         self.next_id = 2
         self.node_of, self.chain_of, self.loop_node_of = {}, {}, {}
 
@@ -175,6 +176,7 @@ class _State:
         n = _MNode(self.next_id, kind, level.id, op, inputs)
         self.next_id += 1
         self.nodes[n.id], self.keys[n.id] = n, key
+        self.bykey.setdefault((level.id, key), []).append(n.id)
         level.nodes.append(n.id)
         level.succ[n.id], level.pred[n.id] = [], []
         return n
@@ -216,6 +218,7 @@ def _thaw(g: TraceGraph) -> _State:
                 m.body = n.id
                 level(n.id, n.loop.body)
             st.nodes[n.id], st.keys[n.id] = m, n.key
+            st.bykey.setdefault((lid, n.key), []).append(n.id)
             lv.nodes.append(n.id)
             lv.succ[n.id], lv.pred[n.id] = [], []
         for a, b in tg.edges:
@@ -243,7 +246,9 @@ def _freeze(st: _State, lid, num_traces) -> TraceGraph:
 
 def _snapshot(st: _State) -> dict:
     memo = {}
-    return {k: dict(v) if k == "keys" else copy.deepcopy(v, memo) for k, v in st.__dict__.items()}
+    shallow = {"keys": dict, "bykey": lambda d: {k: list(v) for k, v in d.items()}}
+    return {k: shallow[k](v) if k in shallow else copy.deepcopy(v, memo)
+            for k, v in st.__dict__.items()}
 
 
 # ---------------------------------------------------------------------------------- merging
@@ -263,9 +268,11 @@ class _Merger:
         return cur
 
     def candidates(self, lv: _MLevel, cur: int, key):
+        """Children of `cur` with `key`, then (lazily) merge-back targets: other nodes of the
+        level with `key` that do not reach `cur`."""
         kids = [n for n in lv.succ[cur] if self.st.keys.get(n) == key]
-        back = [n for n in lv.nodes if n not in kids and n != cur and self.st.keys.get(n) == key
-                and not lv.reaches(n, cur)]
+        back = (n for n in self.st.bykey.get((lv.id, key), ())
+                if n not in kids and n != cur and not lv.reaches(n, cur))
         return kids, back
 
     def op(self, idx: int, ctx: _Ctx, cur: int) -> int:
@@ -273,13 +280,16 @@ class _Merger:
         lv = st.levels[ctx.level]
         key = Node.op_key(rec, ctx.folded)
         srcs = tuple(self.source(a, ctx) for a in rec.inputs)
-        kids, back = self.candidates(lv, cur, key)
         chosen = None
-        for group in (kids, back):
-            fits = [(n, r) for n in group if (r := self.compat(st.nodes[n], srcs, ctx, idx))]
-            exact = [f for f in fits if not f[1][1]]
-            if exact or fits:
-                chosen = (exact or fits)[0]
+        for group in self.candidates(lv, cur, key):  # children first, then merge-back targets
+            for n in group:
+                fit = self.compat(st.nodes[n], srcs, ctx, idx)
+                if fit and not fit[1]:
+                    chosen = (n, fit)  # exact: nothing to add
+                    break
+                if fit and chosen is None:
+                    chosen = (n, fit)
+            if chosen is not None:
                 break
         if chosen is None:
             node = st.new_node(lv, OP, key, rec, srcs)
@@ -309,7 +319,7 @@ class _Merger:
         lkey = (inst.loop, enclosing, first.location.frames)
         if inst.uid not in self.bad:
             kids, back = self.candidates(lv, cur, (LOOP, lkey))
-            for nid in kids + back + [None]:
+            for nid in kids + list(back) + [None]:
                 snap = _snapshot(st)
                 try:
                     lv = st.levels[ctx.level]
