@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from terra.ir.records import Location, LoopIter, OpRecord
+from terra.ir.records import FeedRef, Location, LoopIter, OpRecord
 
 START, END, OP, LOOP = "start", "end", "op", "loop"
 
@@ -160,6 +160,12 @@ class Node:
                 if isinstance(s, Phi):
                     out.append(((a, k) if isinstance(arg, tuple) else (a,), s))
         return tuple(out)
+
+    @property
+    def feeds(self) -> tuple:
+        """The feed points of this node: its `FeedRef` / `IterFeed` inputs (Input-Feeding ops)."""
+        return tuple(s for a in self.inputs for s in (a if isinstance(a, tuple) else (a,))
+                     if isinstance(s, (FeedRef, IterFeed)))
 
     @property
     def label(self) -> str:

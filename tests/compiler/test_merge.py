@@ -50,6 +50,7 @@ def test_first_trace_is_a_chain_with_translated_inputs():
     assert m.inputs == (NodeOut(r.id), FeedRef(0))
     assert a.inputs == (NodeOut(m.id), ConstRef(1.0, "float32"))
     assert c.inputs == ((NodeOut(m.id), NodeOut(a.id)), ConstRef(0, "int32"))
+    assert m.feeds == (FeedRef(0),) and r.feeds == ()
     assert [n.seen for n in (r, m, a, c)] == [{0: (0,)}, {0: (1,)}, {0: (2,)}, {0: (3,)}]
     assert g.path(0) == (0, r.id, m.id, a.id, c.id, 1)
     assert g.num_traces == 1
@@ -245,6 +246,15 @@ def test_nested_loops_fold_recursively():
     assert inner.loop.trip_counts == {0: (3, 3)}
     assert node(g, "Out").inputs == (NodeOut(outer.id, 0),)
     assert outer.loop.outputs == (NodeOut(inner.id, 0),) and inner.loop.outputs == (NodeOut(inn.id),)
+
+
+def test_empty_trace_is_a_start_end_edge():
+    g = merge(None, trace())
+    assert g.edges == ((0, 1),) and g.path(0) == (0, 1) and covers(g, trace())
+    assert path_choices(assign_cases(g), g.path(0)) == []
+    g2 = merge(g, trace(("A", [VariableRef(0)], loc(1))))
+    assert set(g2.edges) == {(0, 1), (0, 2), (2, 1)}
+    assert not covers(g, trace(("A", [VariableRef(0)], loc(1))))
 
 
 # ---------------------------------------------------------------------------------- errors
