@@ -1,0 +1,1 @@
+"""Compiler passes: merge (traces -> TraceGraph), case assignment (Algorithm 1), lowering."""

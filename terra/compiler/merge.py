@@ -1,0 +1,572 @@
+"""Merge a trace into a TraceGraph (§3.2.2), and test whether a trace is already embedded.
+
+`merge(graph_or_None, trace)` returns a new TraceGraph (the input is never mutated). The walk keeps
+a pointer to the latest matched node, starting at `start`. Each op is matched, in this order,
+against the children of that node, then (merge-back) against any node of the same level that does
+not reach the pointer (so the graph stays a DAG). A match needs the node's key (type, attrs,
+location, function) and compatible data flow: an input `OutputRef(j)` becomes the node trace-op
+`j` was matched to, variables compare by key, constants by value, feeds by slot. Where the same
+slot is fed by different producers on different paths the slot becomes a `Phi`. No match: a new
+node (a branch). After the last op the pointer is joined to `end`.
+
+Loops (`Location.loops`): the records of one run of a loop are grouped by iteration, and every
+iteration is merged as one path through the loop node's `body`, a TraceGraph of its own. Inside a
+body an input from the previous iteration is a `Prev`; a slot that reads an outer value on the
+first iteration and `Prev` later is `Carried` (a while_loop variable). Values used after the loop
+are the loop node's `outputs` (last iteration). A loop run is folded only when it is uniform;
+otherwise its iterations are unrolled as ordinary nodes (their locations keep iteration numbers):
+  1. every in-loop reference goes to the same or the immediately previous iteration, and every
+     reference from after the loop goes to its last iteration;
+  2. iterations differ in control flow only, not in what they read: after merging, the body holds
+     at most one node per key (a loop over variables, one variable per iteration, fails this);
+  3. loop-carried slots have one update producer, and per-iteration feeds are used only in the
+     loop level that reads them.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+
+from terra.ir.records import ConstRef, FeedRef, OutputRef, Trace, VariableRef
+from terra.ir.trace_graph import (END, LOOP, OP, START, Carried, FetchPoint, IterFeed, Loop,
+                                  Node, NodeOut, Phi, PhiOption, Prev, TraceGraph)
+
+__all__ = ["merge", "covers"]
+
+_TOP = "top"
+
+
+class _NoFold(Exception):
+    """This loop run cannot be folded; unroll it."""
+
+
+# ------------------------------------------------------------------------ trace structuring
+@dataclass(slots=True)
+class _Instance:
+    """One run of a loop inside a trace: `iterations[k]` are the items (record indices or nested
+    `_Instance`s) of iteration k (empty when that iteration issued no op)."""
+    uid: int
+    loop: str
+    depth: int
+    first: int
+    last: int
+    iterations: list
+    ranges: list  # (first, last) record index of each iteration, None when empty
+
+
+def _structure(records, idxs, depth, counter):
+    items, i = [], 0
+    while i < len(idxs):
+        loops = records[idxs[i]].location.loops
+        if len(loops) <= depth:
+            items.append(idxs[i])
+            i += 1
+            continue
+        lid, groups, last_it, j = loops[depth].loop, {}, -1, i
+        while j < len(idxs):
+            lp = records[idxs[j]].location.loops
+            if len(lp) <= depth or lp[depth].loop != lid or lp[depth].iteration < last_it:
+                break
+            last_it = lp[depth].iteration
+            groups.setdefault(last_it, []).append(idxs[j])
+            j += 1
+        uid = next(counter)
+        iters = [_structure(records, groups.get(k, []), depth + 1, counter)
+                 for k in range(last_it + 1)]
+        ranges = [(g[0], g[-1]) if (g := groups.get(k)) else None for k in range(last_it + 1)]
+        items.append(_Instance(uid, lid, depth, idxs[i], idxs[j - 1], iters, ranges))
+        i = j
+    return items
+
+
+def _instances(items):
+    for it in items:
+        if isinstance(it, _Instance):
+            yield it
+            for body in it.iterations:
+                yield from _instances(body)
+
+
+def _refs(arg):
+    if isinstance(arg, tuple):
+        for a in arg:
+            yield from _refs(a)
+    else:
+        yield arg
+
+
+def _unfoldable(trace, items) -> set:
+    """Rule 1 (see module doc), checked on the trace: uids of loop runs that cannot fold."""
+    where = {}  # record index -> [(instance, iteration position)] outermost first
+    for inst in _instances(items):
+        for pos, rng in enumerate(inst.ranges):
+            if rng:
+                for k in range(rng[0], rng[1] + 1):
+                    if len(trace.records[k].location.loops) > inst.depth:
+                        where.setdefault(k, []).append((inst, pos))
+    bad = set()
+    for r in trace.records:
+        rw = dict((inst.uid, pos) for inst, pos in where.get(r.index, ()))
+        for ref in _refs(r.inputs):
+            if not isinstance(ref, OutputRef):
+                continue
+            for inst, pos in where.get(ref.record, ()):
+                if inst.uid in rw:
+                    if rw[inst.uid] - pos not in (0, 1):
+                        bad.add(inst.uid)
+                elif pos != len(inst.iterations) - 1:
+                    bad.add(inst.uid)
+    return bad
+
+
+# ---------------------------------------------------------------------- mutable working state
+class _MNode:
+    __slots__ = ("id", "kind", "op", "inputs", "seen", "fetches", "level", "first_iter",
+                 "later_iter", "folded", "loop_key", "body", "outputs", "trip_counts")
+
+    def __init__(self, id, kind, level, op=None, inputs=()):
+        self.id, self.kind, self.level, self.op, self.inputs = id, kind, level, op, list(inputs)
+        self.seen, self.fetches, self.first_iter, self.later_iter = {}, set(), False, False
+        self.folded = frozenset()
+        self.loop_key, self.body, self.outputs, self.trip_counts = None, None, [], {}
+
+    def __deepcopy__(self, memo):
+        new = _MNode.__new__(_MNode)
+        for s in _MNode.__slots__:
+            v = getattr(self, s)
+            setattr(new, s, v if s in ("op", "loop_key", "inputs", "folded") else copy.deepcopy(v, memo))
+        new.inputs = list(self.inputs)  # Sources are immutable
+        return new
+
+
+class _MLevel:
+    __slots__ = ("id", "start", "end", "edges", "succ", "pred", "nodes")
+
+    def __init__(self, id, start, end):
+        self.id, self.start, self.end = id, start, end
+        self.edges, self.succ, self.pred, self.nodes = [], {start: [], end: []}, {start: [], end: []}, [start, end]
+
+    def add_edge(self, a, b):
+        if b not in self.succ[a]:
+            self.edges.append((a, b))
+            self.succ[a].append(b)
+            self.pred[b].append(a)
+
+    def reaches(self, a, b) -> bool:
+        seen, stack = set(), [a]
+        while stack:
+            n = stack.pop()
+            if n == b:
+                return True
+            if n not in seen:
+                seen.add(n)
+                stack.extend(self.succ[n])
+        return False
+
+
+class _State:
+    def __init__(self):
+        self.levels, self.nodes, self.keys = {}, {}, {}  # keys: node id -> key (cached)
+        self.bykey = {}  # (level id, key) -> node ids
+        self.next_id = 2
+        self.node_of, self.chain_of, self.loop_node_of = {}, {}, {}
+
+    def new_node(self, level, kind, key, op=None, inputs=()):
+        n = _MNode(self.next_id, kind, level.id, op, inputs)
+        self.next_id += 1
+        self.nodes[n.id], self.keys[n.id] = n, key
+        self.bykey.setdefault((level.id, key), []).append(n.id)
+        level.nodes.append(n.id)
+        level.succ[n.id], level.pred[n.id] = [], []
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class _Ctx:
+    """Where the walk is: `chain` = ((instance uid, iteration position), ...) of the folded loop
+    runs enclosing this level, outermost first; `folded` their depths; `level` the level id."""
+    level: object
+    chain: tuple = ()
+    folded: frozenset = frozenset()
+    feeds: tuple = ()  # per-iteration feed slots of the innermost iteration, in first-use order
+    spans: tuple = ()  # (first, last) record index of each loop run in `chain`
+
+    @property
+    def iter_pos(self):
+        return self.chain[-1][1] if self.chain else None
+
+
+# ------------------------------------------------------------------------- thaw and freeze
+def _thaw(g: TraceGraph) -> _State:
+    st = _State()
+    st.next_id = g.next_id
+
+    def level(lid, tg):
+        lv = _MLevel(lid, tg.start, tg.end)
+        st.levels[lid] = lv
+        for n in tg.nodes.values():
+            if n.kind in (START, END):
+                continue
+            m = _MNode(n.id, n.kind, lid, n.op, n.inputs)
+            m.seen = {t: list(v) for t, v in n.seen.items()}
+            m.fetches, m.first_iter, m.later_iter = set(n.fetches), n.first_iter, n.later_iter
+            m.folded = n.folded
+            if n.kind == LOOP:
+                m.loop_key, m.outputs = n.loop.key, list(n.loop.outputs)
+                m.trip_counts = {t: list(v) for t, v in n.loop.trip_counts.items()}
+                m.body = n.id
+                level(n.id, n.loop.body)
+            st.nodes[n.id], st.keys[n.id] = m, n.key
+            st.bykey.setdefault((lid, n.key), []).append(n.id)
+            lv.nodes.append(n.id)
+            lv.succ[n.id], lv.pred[n.id] = [], []
+        for a, b in tg.edges:
+            lv.add_edge(a, b)
+    level(_TOP, g)
+    return st
+
+
+def _freeze(st: _State, lid, num_traces) -> TraceGraph:
+    lv = st.levels[lid]
+    nodes = {lv.start: Node(lv.start, START), lv.end: Node(lv.end, END)}
+    for nid in lv.nodes:
+        m = st.nodes.get(nid)
+        if m is None:
+            continue
+        seen = {t: tuple(v) for t, v in m.seen.items()}
+        loop = None
+        if m.kind == LOOP:
+            loop = Loop(m.loop_key, _freeze(st, nid, num_traces), tuple(m.outputs),
+                        {t: tuple(v) for t, v in m.trip_counts.items()})
+        nodes[nid] = Node(nid, m.kind, m.op, tuple(m.inputs), seen, frozenset(m.fetches), loop,
+                          m.first_iter, m.later_iter, m.folded)
+    return TraceGraph(nodes, tuple(lv.edges), lv.start, lv.end, num_traces, st.next_id)
+
+
+def _snapshot(st: _State) -> dict:
+    memo = {}
+    shallow = {"keys": dict, "bykey": lambda d: {k: list(v) for k, v in d.items()}}
+    return {k: shallow[k](v) if k in shallow else copy.deepcopy(v, memo)
+            for k, v in st.__dict__.items()}
+
+
+# ---------------------------------------------------------------------------------- merging
+class _Merger:
+    def __init__(self, st: _State, trace: Trace, tid: int, bad: set):
+        self.st, self.trace, self.tid, self.bad = st, trace, tid, bad
+        self.first_feed_use = {}
+        for r in trace.records:
+            for ref in _refs(r.inputs):
+                if isinstance(ref, FeedRef):
+                    self.first_feed_use.setdefault(ref.slot, r.index)
+
+    # ---- walking
+    def walk(self, items, ctx: _Ctx, cur: int) -> int:
+        for it in items:
+            cur = self.loop(it, ctx, cur) if isinstance(it, _Instance) else self.op(it, ctx, cur)
+        return cur
+
+    def candidates(self, lv: _MLevel, cur: int, key):
+        """Children of `cur` with `key`, then (lazily) merge-back targets: other nodes of the
+        level with `key` that do not reach `cur`."""
+        kids = [n for n in lv.succ[cur] if self.st.keys.get(n) == key]
+        back = (n for n in self.st.bykey.get((lv.id, key), ())
+                if n not in kids and n != cur and not lv.reaches(n, cur))
+        return kids, back
+
+    def op(self, idx: int, ctx: _Ctx, cur: int) -> int:
+        st, rec = self.st, self.trace.records[idx]
+        lv = st.levels[ctx.level]
+        key = Node.op_key(rec, ctx.folded)
+        srcs = tuple(self.source(a, ctx) for a in rec.inputs)
+        chosen = None
+        for group in self.candidates(lv, cur, key):  # children first, then merge-back targets
+            for n in group:
+                fit = self.compat(st.nodes[n], srcs, ctx, idx)
+                if fit and not fit[1]:
+                    chosen = (n, fit)  # exact: nothing to add
+                    break
+                if fit and chosen is None:
+                    chosen = (n, fit)
+            if chosen is not None:
+                break
+        if chosen is None:
+            node = st.new_node(lv, OP, key, rec, srcs)
+            node.folded = ctx.folded
+        else:
+            node = st.nodes[chosen[0]]
+            node.inputs = list(chosen[1][0])
+        self.visit(node, ctx, idx)
+        lv.add_edge(cur, node.id)
+        st.node_of[idx], st.chain_of[idx] = node.id, ctx.chain
+        return node.id
+
+    def visit(self, node: _MNode, ctx: _Ctx, idx: int):
+        node.seen.setdefault(self.tid, []).append(idx)
+        if ctx.chain:
+            if ctx.iter_pos == 0:
+                node.first_iter = True
+            else:
+                node.later_iter = True
+
+    def loop(self, inst: _Instance, ctx: _Ctx, cur: int) -> int:
+        st = self.st
+        lv = st.levels[ctx.level]
+        first = self.trace.records[inst.first]
+        enclosing = tuple(l.loop if d in ctx.folded else l for d, l in
+                          enumerate(first.location.loops[:inst.depth]))
+        lkey = (inst.loop, enclosing, first.location.frames)
+        if inst.uid not in self.bad:
+            kids, back = self.candidates(lv, cur, (LOOP, lkey))
+            for nid in kids + list(back) + [None]:
+                snap = _snapshot(st)
+                try:
+                    lv = st.levels[ctx.level]
+                    node = st.nodes[nid] if nid is not None else self.new_loop(lv, lkey)
+                    self.fold(node.id, inst, ctx)
+                except _NoFold:
+                    st.__dict__.clear()
+                    st.__dict__.update(snap)
+                    continue
+                node = st.nodes[node.id]  # nested attempts may have replaced the objects
+                self.visit(node, ctx, inst.first)
+                node.trip_counts.setdefault(self.tid, []).append(len(inst.iterations))
+                st.loop_node_of[inst.uid] = node.id
+                st.levels[ctx.level].add_edge(cur, node.id)
+                return node.id
+        for body in inst.iterations:  # unroll
+            cur = self.walk(body, ctx, cur)
+        return cur
+
+    def new_loop(self, lv, lkey):
+        node = self.st.new_node(lv, LOOP, (LOOP, lkey))
+        node.loop_key, node.body = lkey, node.id
+        body = _MLevel(node.id, self.st.next_id, self.st.next_id + 1)
+        self.st.next_id += 2
+        self.st.levels[node.id] = body
+        return node
+
+    def fold(self, body_id, inst: _Instance, ctx: _Ctx):
+        """Merge every iteration of `inst` into the body level `body_id` (objects are looked up
+        by id after each walk: a failed nested attempt restores a snapshot)."""
+        for pos, items in enumerate(inst.iterations):
+            rng = inst.ranges[pos]
+            feeds = () if rng is None else tuple(sorted(
+                (s for s, f in self.first_feed_use.items() if rng[0] <= f <= rng[1]),
+                key=self.first_feed_use.get))
+            sub = _Ctx(body_id, ctx.chain + ((inst.uid, pos),), ctx.folded | {inst.depth}, feeds,
+                       ctx.spans + ((inst.first, inst.last),))
+            last = self.walk(items, sub, self.st.levels[body_id].start)
+            body = self.st.levels[body_id]
+            body.add_edge(last, body.end)
+        body = self.st.levels[body_id]
+        keys = [self.st.keys[n] for n in body.nodes if n not in (body.start, body.end)]
+        if len(keys) != len(set(keys)):
+            raise _NoFold("iterations read different data")
+
+    # ---- data flow
+    def source(self, arg, ctx: _Ctx):
+        if isinstance(arg, tuple):
+            return tuple(self.source(a, ctx) for a in arg)
+        if isinstance(arg, OutputRef):
+            return self.translate(arg.record, arg.index, ctx)
+        if isinstance(arg, FeedRef):
+            if arg.slot in ctx.feeds:
+                return IterFeed(ctx.feeds.index(arg.slot))
+            first = self.first_feed_use[arg.slot]
+            if any(a <= first <= b for a, b in ctx.spans):
+                raise _NoFold(f"feed{arg.slot} is fed by another iteration")
+            return arg
+        if isinstance(arg, (VariableRef, ConstRef)):
+            return arg
+        raise TypeError(f"unknown input ref {arg!r}")
+
+    def translate(self, j: int, i: int, ctx: _Ctx):
+        st = self.st
+        if j not in st.node_of:
+            raise ValueError(f"trace {self.trace.site!r}: record refers to %{j}, which is not an "
+                             f"earlier record")
+        cj, cr = st.chain_of[j], ctx.chain
+        k = 0
+        while k < len(cj) and k < len(cr) and cj[k] == cr[k]:
+            k += 1
+        if k == len(cj):
+            return NodeOut(st.node_of[j], i)
+        uid, pos = cj[k]
+        if k < len(cr) and cr[k][0] == uid:
+            if pos != cr[k][1] - 1:
+                raise _NoFold("reference to an iteration before the previous one")
+            v = self.inside(cj, k + 1, j, i)
+            return Prev(v.node, v.index)
+        v = self.inside(cj, k + 1, j, i)
+        return NodeOut(st.loop_node_of[uid], self.export(st.loop_node_of[uid], v))
+
+    def inside(self, cj, m, j, i):
+        if m == len(cj):
+            return NodeOut(self.st.node_of[j], i)
+        uid = cj[m][0]
+        v = self.inside(cj, m + 1, j, i)
+        return NodeOut(self.st.loop_node_of[uid], self.export(self.st.loop_node_of[uid], v))
+
+    def export(self, loop_id, v):
+        outs = self.st.nodes[loop_id].outputs
+        if v not in outs:
+            outs.append(v)
+        return outs.index(v)
+
+    def compat(self, node: _MNode, srcs, ctx, idx):
+        """(merged inputs, changed) if the record's sources fit `node`, else None."""
+        old = node.inputs
+        if len(old) != len(srcs):
+            return None
+        out, changed = [], False
+        for s, n in zip(old, srcs):
+            if isinstance(s, tuple) or isinstance(n, tuple):
+                if not (isinstance(s, tuple) and isinstance(n, tuple) and len(s) == len(n)):
+                    return None
+                items = []
+                for a, b in zip(s, n):
+                    r = self.slot(node, a, b, ctx, idx)
+                    if r is None:
+                        return None
+                    items.append(r[0])
+                    changed |= r[1]
+                out.append(tuple(items))
+            else:
+                r = self.slot(node, s, n, ctx, idx)
+                if r is None:
+                    return None
+                out.append(r[0])
+                changed |= r[1]
+        return out, changed
+
+    def slot(self, node, s, n, ctx, idx):
+        if s == n:
+            return s, False
+        if isinstance(s, Carried):
+            want = s.init if ctx.iter_pos == 0 else s.update
+            return (s, False) if n == want else None
+        local = self.st.levels[node.level].nodes
+        if isinstance(s, Phi):
+            if not (isinstance(n, NodeOut) and n.node in local):
+                return None
+            sources = [o.source for o in s.options]
+            cand = sources if n in sources else sources + [n]
+            if any(o.source.node == n.node and o.source != n for o in s.options):
+                return None
+            if not self.phi_ok(s.options, n, cand, idx):
+                return None
+            opts = [PhiOption(o.source, o.visits | {(self.tid, idx)}) if o.source == n else o
+                    for o in s.options]
+            if n not in sources:
+                opts.append(PhiOption(n, frozenset({(self.tid, idx)})))
+            return Phi(tuple(opts)), n not in sources
+        if (isinstance(s, NodeOut) and isinstance(n, NodeOut) and s.node != n.node
+                and s.node in local and n.node in local):
+            visits = frozenset((t, v) for t, vs in node.seen.items() for v in vs)
+            opts = (PhiOption(s, visits),)
+            if not self.phi_ok(opts, n, [s, n], idx):
+                return None
+            return Phi(opts + (PhiOption(n, frozenset({(self.tid, idx)})),)), True
+        if ctx.chain and node.level == ctx.level:
+            if isinstance(n, Prev) and n.node in local and self.init_ok(s, local):
+                if ctx.iter_pos > 0 and not node.later_iter:
+                    return Carried(s, n), True
+            elif isinstance(s, Prev) and s.node in local and self.init_ok(n, local):
+                if ctx.iter_pos == 0 and not node.first_iter:
+                    return Carried(n, s), True
+        return None
+
+    @staticmethod
+    def init_ok(src, local):
+        return not isinstance(src, (Prev, Carried, Phi, IterFeed)) and not (
+            isinstance(src, NodeOut) and src.node in local)
+
+    def phi_ok(self, options, new, cand, idx) -> bool:
+        """Adding `new` keeps every recorded visit resolving to its option, and the current visit
+        (trace `tid`, record `idx`) resolves to `new` (the last producer to run wins)."""
+        for o in options:
+            for t, v in o.visits:
+                if self.resolve(t, v, cand) != o.source:
+                    return False
+        return self.resolve(self.tid, idx, cand) == new
+
+    def resolve(self, t, at, cand):
+        best, best_pos = None, -1
+        for src in cand:
+            pos = max((p for p in self.st.nodes[src.node].seen.get(t, ()) if p < at), default=-1)
+            if pos > best_pos:
+                best, best_pos = src, pos
+        return best
+
+
+# ------------------------------------------------------------------------------- public API
+def _check_trace(trace):
+    if not isinstance(trace, Trace):
+        raise TypeError(f"merge expects a terra.ir.records.Trace, got {type(trace).__name__}")
+    if trace.unsupported:
+        raise ValueError(f"trace {trace.site!r} has unsupported ops {trace.unsupported!r}; "
+                         f"it cannot be compiled")
+    for k, r in enumerate(trace.records):
+        if r.index != k:
+            raise ValueError(f"trace {trace.site!r}: record at position {k} has index {r.index}")
+
+
+def merge(graph, trace: Trace) -> TraceGraph:
+    """Return a new TraceGraph that embeds `trace` (trace id = `graph.num_traces`)."""
+    if graph is None:
+        graph = TraceGraph.empty()
+    if not isinstance(graph, TraceGraph):
+        raise TypeError(f"merge expects a TraceGraph or None, got {type(graph).__name__}")
+    _check_trace(trace)
+    st = _thaw(graph)
+    items = _structure(trace.records, list(range(len(trace.records))), 0, iter(range(1 << 62)))
+    m = _Merger(st, trace, graph.num_traces, _unfoldable(trace, items))
+    last = m.walk(items, _Ctx(_TOP), st.levels[_TOP].start)
+    top = st.levels[_TOP]
+    top.add_edge(last, top.end)
+    for f in trace.fetches:
+        node = st.nodes[st.node_of[f.ref.record]]
+        after = st.node_of[f.after_record - 1] if f.after_record > 0 else top.start
+        node.fetches.add(FetchPoint(f.ref.index, f.how, after))
+    new = _freeze(st, _TOP, graph.num_traces + 1)
+    from terra.ir import verify
+    if verify.debug_enabled():
+        verify.verify(new)
+    return new
+
+
+def _shape(g: TraceGraph):
+    """Structure and data flow of a graph, without the per-trace bookkeeping."""
+    def src(s):
+        if isinstance(s, tuple):
+            return tuple(map(src, s))
+        return ("phi", tuple(o.source for o in s.options)) if isinstance(s, Phi) else s
+    out = []
+    for n in g.nodes.values():
+        body = _shape(n.loop.body) + (n.loop.outputs,) if n.kind == LOOP else None
+        out.append((n.id, n.key, tuple(map(src, n.inputs)), frozenset(
+            (f.index, f.how, f.after) for f in n.fetches), body))
+    return (tuple(sorted(out, key=lambda x: x[0])), frozenset(g.edges))
+
+
+def _trip_counts(g: TraceGraph) -> dict:
+    out = {}
+    for n in g.nodes.values():
+        if n.kind == LOOP:
+            out[n.id] = n.loop.seen_trip_counts
+            out.update(_trip_counts(n.loop.body))
+    return out
+
+
+def covers(graph, trace: Trace, *, exact_trip_counts: bool = False) -> bool:
+    """Whether `trace` is already embedded: merging it would add no node, edge, phi option,
+    loop-carried slot, loop output or fetch point. With `exact_trip_counts`, every loop must also
+    have run a trip count already seen (for lowerings that unroll loops)."""
+    if graph is None:
+        return False
+    merged = merge(graph, trace)
+    if _shape(merged) != _shape(graph):
+        return False
+    return not exact_trip_counts or _trip_counts(merged) == _trip_counts(graph)
