@@ -6,6 +6,10 @@ is and why Terra needs it. Other parts of the project append their own clearly n
 """
 from __future__ import annotations
 
+import contextlib as _contextlib
+
+from tensorflow.core.protobuf import config_pb2 as _config_pb2
+
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context as _context
 from tensorflow.python.eager import core as _core
@@ -75,3 +79,32 @@ def atomic_function_name(fn) -> str:
     """Name under which `execute` sees a call of AtomicFunction `fn` (its `name` is bytes)."""
     name = fn.name
     return name.decode() if isinstance(name, bytes) else str(name)
+
+
+# Per-thread options of eager function calls; the serialized ConfigProto they carry (Grappler's
+# RewriterConfig included) is what a function is instantiated with. Replay swaps it to run a graph
+# without Grappler rewrites, whose reassociations change float results by an ulp.
+FunctionCallOptions = _context.FunctionCallOptions
+
+
+@_contextlib.contextmanager
+def function_call_config(mutate):
+    """Within the block, functions called eagerly on this thread use the current ConfigProto
+    changed by `mutate(config)`."""
+    ctx = context()
+    old = ctx.function_call_options
+    config = _config_pb2.ConfigProto()
+    serialized = old.config_proto_serialized
+    if serialized:
+        config.ParseFromString(serialized)
+    mutate(config)
+    ctx.function_call_options = FunctionCallOptions(executor_type=old.executor_type,
+                                                    config_proto=config)
+    try:
+        yield
+    finally:
+        ctx.function_call_options = old
+
+
+def disable_grappler(config) -> None:
+    config.graph_options.rewrite_options.disable_meta_optimizer = True

@@ -43,10 +43,11 @@ class ReplayFunction:
     (anything convertible to the slot's dtype); returns the requested outputs as eager tensors.
     `concrete` is the underlying ConcreteFunction."""
 
-    def __init__(self, trace: Trace, outputs: tuple, concrete):
+    def __init__(self, trace: Trace, outputs: tuple, concrete, grappler: bool):
         self.trace = trace
         self.outputs = outputs
         self.concrete = concrete
+        self.grappler = grappler
 
     def __call__(self, feed_values: Sequence) -> list:
         feeds = self.trace.feeds
@@ -54,7 +55,10 @@ class ReplayFunction:
             raise ValueError(f"compiled trace {self.trace.site!r} takes {len(feeds)} feed values, "
                              f"got {len(feed_values)}")
         args = [tf.convert_to_tensor(v, dtype=f.spec.dtype) for v, f in zip(feed_values, feeds)]
-        return list(self.concrete(*args))
+        if self.grappler:
+            return list(self.concrete(*args))
+        with tfp.function_call_config(tfp.disable_grappler):
+            return list(self.concrete(*args))
 
     def __repr__(self) -> str:
         return f"ReplayFunction({self.trace!r} -> {list(self.outputs)!r})"
@@ -140,8 +144,13 @@ class _Builder:
 
 
 def compile_trace(trace: Trace, outputs: Sequence[OutputRef] = (), *,
-                  jit_compile: bool = False) -> ReplayFunction:
-    """One concrete function that replays `trace` and returns the values of `outputs`."""
+                  grappler: bool = False, jit_compile: bool = False) -> ReplayFunction:
+    """One concrete function that replays `trace` and returns the values of `outputs`.
+
+    `grappler=False` (default) runs the graph without Grappler rewrites, so results are
+    bit-identical to eager; its arithmetic optimizer and constant folding reassociate float math
+    (differences of about one ulp after a step). `jit_compile` compiles it with XLA.
+    """
     if not isinstance(trace, Trace):
         raise TypeError(f"compile_trace: expected a Trace, got {type(trace).__name__}")
     if trace.unsupported:
@@ -159,4 +168,4 @@ def compile_trace(trace: Trace, outputs: Sequence[OutputRef] = (), *,
 
     specs = [tf.TensorSpec(f.spec.shape, f.spec.dtype) for f in trace.feeds]
     fn = tf.function(body, autograph=False, jit_compile=jit_compile)
-    return ReplayFunction(trace, outputs, fn.get_concrete_function(*specs))
+    return ReplayFunction(trace, outputs, fn.get_concrete_function(*specs), grappler)

@@ -271,8 +271,7 @@ class Recorder(hook.Interceptor):
                 trace.functions[op_type] = fn
             function = op_type
             refs = tuple(self._ref(v, None) for v in inputs)
-            frozen = tuple(sorted((k, v.decode() if isinstance(v, bytes) else v)
-                                  for k, v in _pairs(attrs)))
+            frozen = tuple(sorted(_pairs(attrs)))
         else:
             op_def = tfp.get_op_def(op_type)
             if op_def is None:
@@ -324,6 +323,8 @@ class Recorder(hook.Interceptor):
             attr_type = types.get(name)
             if attr_type is None:
                 raise _Unsupported(f"unknown attr {name!r}")
+            if value is None and attr_type != "shape":
+                continue  # None means "the default" (e.g. Squeeze's axis)
             full[name] = freeze_attr(attr_type, value)
         if not defaults:
             return full
