@@ -247,7 +247,9 @@ class Recorder(hook.Interceptor):
         except tfp.FallbackException:
             self._fast_failed = op_type
             raise
-        fast_failed, self._fast_failed = self._fast_failed, None
+        fast_failed = self._fast_failed
+        if route == "fallback" and fast_failed is not None:  # ops in between are its conversions
+            self._fast_failed = None
         try:
             self._record(op_type, inputs, attrs, route, result, location)
         except Exception as e:  # never let bookkeeping break the user's iteration
