@@ -153,3 +153,16 @@ def test_locator_rejects_missing_root():
     import pytest
     with pytest.raises(ValueError):
         Locator(None)
+
+
+def test_without_line_tracing_loops_are_counted_at_op_time():
+    def prog(n, skip):
+        for i in range(n):
+            if i in skip:
+                continue
+            tf.add(X, 1.0)
+    with Recorder(track_loops=False) as rec:
+        prog(4, {1, 2})
+    # Passes that issue ops are still told apart; the op-less passes 1 and 2 are not counted.
+    assert [_iters(l) for l in _locs(rec.trace, "AddV2")] == [(0,), (1,)]
+    assert sys.gettrace() is None
