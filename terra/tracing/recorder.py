@@ -468,8 +468,10 @@ class Recorder(hook.Interceptor):
                         v.dtype.name == "string" and v.shape.rank == 0:
                     return ConstRef(_frozen_value(born[1], v.dtype.name), v.dtype.name)
                 return self._feed(v, _spec(v), "python-constant")
-            source = "numpy" if born is not None and born[0] is v else "eager-tensor"
-            return self._feed(v, _spec(v), source)
+            if born is not None and born[0] is v and isinstance(born[1], np.ndarray):
+                # The user's array is the feed value, so it can be substituted by identity.
+                return self._feed(v, _spec(v), "numpy", value=born[1])
+            return self._feed(v, _spec(v), "eager-tensor")
         if isinstance(v, tfp.BaseResourceVariable):
             return self._variable(v.handle)
         if isinstance(v, np.ndarray):
@@ -483,7 +485,9 @@ class Recorder(hook.Interceptor):
             return self._feed(v, TensorSpec(d, tuple(a.shape)), "python-constant")
         raise _Unsupported(f"input of type {type(v).__name__}")
 
-    def _feed(self, obj, spec: TensorSpec, source: str) -> FeedRef:
+    def _feed(self, obj, spec: TensorSpec, source: str, value=None) -> FeedRef:
+        """Feed slot for external object `obj` (one slot per object); `value` (default `obj`)
+        is what `trace.feed_values` records for it."""
         entry = self._feeds.get(id(obj))
         if entry is not None and entry[0] is obj:
             return entry[1]
@@ -492,7 +496,7 @@ class Recorder(hook.Interceptor):
         trace = self.trace
         ref = FeedRef(len(trace.feeds))
         trace.feeds.append(Feed(ref.slot, spec, source))
-        trace.feed_values.append(obj)
+        trace.feed_values.append(obj if value is None else value)
         self._feeds[id(obj)] = (obj, ref)
         return ref
 

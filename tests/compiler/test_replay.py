@@ -308,3 +308,20 @@ def test_raw_variable_input_gets_an_explicit_read():
     np.testing.assert_array_equal(v.numpy(), [7.0, 10.0])
     with pytest.raises(ValueError, match="takes 0 feed values"):
         fn([1.0])
+
+
+def test_numpy_inputs_are_feeds_substitutable_by_identity():
+    w = tf.Variable([[1.0], [2.0]])
+    a0 = np.array([[1.0, 2.0]], "float32")
+
+    def prog(a):
+        return tf.matmul(tf.convert_to_tensor(a), w) + np.float32(1.0)
+    with Recorder() as rec:
+        out = prog(a0)
+    assert rec.trace.feeds[0].source == "numpy" and rec.trace.feed_values[0] is a0
+    fn = compile_trace(rec.trace, [rec.ref_of(out)])
+    a1 = np.array([[3.0, -1.0]], "float32")
+    (got,) = fn(substitute_feeds(rec.trace, [(a0, a1)]))
+    np.testing.assert_array_equal(got.numpy(), prog(a1).numpy())
+    with pytest.raises(ValueError, match="not a feed"):
+        substitute_feeds(rec.trace, [(a1, a0)])
