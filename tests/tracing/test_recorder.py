@@ -150,3 +150,27 @@ def test_bad_arguments():
         freeze_attr("func", None)
     assert freeze_attr("list(type)", [tf.float32, 3]) == ("float32", "int32")
     assert freeze_attr("shape", [None, 2]) == (None, 2) and freeze_attr("shape", None) is None
+
+
+def test_a_recorder_error_marks_the_op_unsupported_and_never_breaks_the_program(monkeypatch):
+    from terra.tracing import recorder as recorder_module
+
+    def broken(self, info, per_arg, attrs, outputs):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(recorder_module.Recorder, "_fast_attrs", broken)
+    with Recorder() as rec:
+        y = gen_math_ops.add_v2(X, 1.0)
+        z = tf.raw_ops.StringLength(input=tf.strings.as_string(y))
+    assert y.numpy().tolist() == [[2.0, 3.0], [4.0, 5.0]] and z.numpy().shape == (2, 2)
+    assert rec.trace.unsupported[0] == "AddV2: RuntimeError: boom"
+    assert rec.ref_of(y) == OutputRef(0)  # later inputs still resolve to the record
+
+
+def test_string_constants_replay():
+    from terra.compiler import compile_trace
+    with Recorder() as rec:
+        s = tf.strings.join(["ab", "c"])
+        n = tf.strings.length(s)
+    assert rec.trace.records[0].inputs == ((ConstRef(b"ab", "string"), ConstRef(b"c", "string")),)
+    (got,) = compile_trace(rec.trace, [rec.ref_of(n)])([])
+    assert int(got) == 3 == int(n)
