@@ -140,7 +140,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     n, repeats = (50, 5) if args.quick else (200, 15)
     results = {"tf": tf.__version__, "python": platform.python_version(),
-               "machine": f"{os.cpu_count()} CPUs",
+               "machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start",
                "cases": [bench_case("add 2x2", tf.add, (2, 2), n, repeats),
                          bench_case("matmul 256x256", tf.matmul, (256, 256), n, repeats)],
                "keras_step": bench_keras_step(repeats)}
