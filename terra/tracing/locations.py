@@ -16,8 +16,9 @@ Two signals, each exact for what it covers:
   In *library* frames (TF, Keras, stdlib) line tracing would cost several events per op, so
   passes are counted at op time instead (`LibraryFrameLoops`): a new pass starts when the frame
   issues an op at a smaller bytecode offset than its previous op, or at the same offset through a
-  different callee frame. That is exact for library loops whose passes all issue ops (Sequential's
-  loop over layers, an optimizer's loop over variables) and only misses op-less passes there.
+  different callee frame. That is exact for library loops whose passes run the same code
+  (Sequential's loop over layers, an optimizer's loop over variables); it merges a pass into the
+  previous one when the pass issues no op, or only ops later in the body than the previous pass.
 
 Frames of Terra itself are left out; tracing is paused while Terra's own code runs. Frames of TF
 and Keras are kept (their loops are what tells two Sequential layers' ops apart), and the whole
@@ -146,8 +147,9 @@ class FrameLoops:
 class LibraryFrameLoops:
     """Loop state of a library frame (TF, Keras, stdlib), updated at op time only: a pass ends
     when the frame issues an op at a smaller offset than its last op, or at the same offset
-    through a different callee frame (the call ran again). Exact for loops whose every pass
-    issues an op; a pass that issues none is not counted (library loops rarely skip)."""
+    through a different callee frame (the call ran again). Exact when each pass starts at or
+    before the previous pass's last op offset (passes running the same code); an op-less pass,
+    or one issuing only ops later in the body, is merged into the previous pass."""
     __slots__ = ("loops", "iters", "last", "last_child", "ignored")
 
     def __init__(self, info: CodeInfo, ignore_at: int | None = None):
