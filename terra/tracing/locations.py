@@ -180,8 +180,11 @@ class LibraryFrameLoops:
                     if s0 <= s and e <= e0 and s <= o <= e:
                         iters[j] = 0
         self.last, self.last_child = o, child
-        return tuple((i, iters[i]) for i, (s, e, _) in enumerate(loops)
-                     if s <= o <= e and not self.ignored[i])
+        out = ()
+        for i, (s, e, _) in enumerate(loops):
+            if s <= o <= e and not self.ignored[i]:
+                out += ((i, iters[i]),)
+        return out
 
 
 def _global_trace(frame, event, arg):
@@ -224,7 +227,6 @@ class Locator:
         while f is not None:
             self._stop.add(f)
             f = f.f_back
-        self._cache: dict = {}
         self._library: dict = {}  # frame -> LibraryFrameLoops (frames held until close)
         self.tracking = False
         if track_loops:
@@ -279,15 +281,27 @@ class Locator:
             child = f
             f = f.f_back
         key = tuple(key)
-        loc = self._cache.get(key)
+        loc = _locations.get(key)
         if loc is None:
-            loc = self._cache[key] = _build(key)
+            if len(_locations) > _MAX_LOCATIONS:
+                _locations.clear()
+            loc = _locations[key] = _build(key)
         return loc
+
+
+# Interned across recordings: the same program point gives the same `Location` object.
+_locations: dict = {}
+_MAX_LOCATIONS = 1 << 18
+_frame_labels: dict = {}
 
 
 def _build(key) -> Location:
     frames, loops = [], []
     for info, lasti, iters in reversed(key):  # root first
-        frames.append(f"{info.label}@{lasti}")
-        loops.extend(LoopIter(info.loop_ids[i], it) for i, it in iters)
+        label = _frame_labels.get((info, lasti))
+        if label is None:
+            label = _frame_labels[(info, lasti)] = f"{info.label}@{lasti}"
+        frames.append(label)
+        for i, it in iters:
+            loops.append(LoopIter(info.loop_ids[i], it))
     return Location(tuple(frames), tuple(loops))
