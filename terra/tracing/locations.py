@@ -187,13 +187,20 @@ class LibraryFrameLoops:
         return out
 
 
-def _global_trace(frame, event, arg):
-    """Called by CPython for every new (or resumed) frame on the recording thread."""
-    info = _infos.get(frame.f_code)
+_traced: dict = {}  # code -> CodeInfo for user code with loops, None for every other code
+
+
+def _global_trace(frame, event, arg, _get=_traced.get, _missing=_traced):
+    """Called by CPython for every new (or resumed) frame on the recording thread: kept to one
+    dict lookup for the frames that need nothing."""
+    info = _get(frame.f_code, _missing)
     if info is None:
-        info = code_info(frame.f_code)
-    if not info.traced:
         return None
+    if info is _missing:
+        info = code_info(frame.f_code)
+        info = _traced[frame.f_code] = info if info.traced else None
+        if info is None:
+            return None
     return frame.f_trace or FrameLoops(info).tracer
 
 
