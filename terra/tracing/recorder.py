@@ -234,7 +234,8 @@ class Recorder(hook.Interceptor):
         self._feeds: dict = {}      # id(obj) -> (obj, FeedRef)
         self._handles: dict = {}    # id(handle) -> (handle, variable or None)
         self._functions: dict = {}  # name -> AtomicFunction seen via call_flat
-        self._fast_failed: str | None = None
+        self._fast_failed: str | None = None  # op type whose fast-path attempt just fell back
+        self._problems: list = []               # why the op being recorded cannot be replayed
         self._locator = None
         self._token = None
         self.recording = False
