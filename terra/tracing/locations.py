@@ -1,0 +1,314 @@
+"""Program locations: which call path, and which pass through which Python loop, issued an op.
+
+Two signals, each exact for what it covers:
+
+* **Call sites** come from a frame walk at op time: every frame from the op up to the iteration's
+  root frame contributes ``"file:qualname@f_lasti"`` (the bytecode offset of the call in flight).
+  That separates two calls of one layer, branches, recursion depth, comprehensions and generators
+  (each has its own code object and frame).
+* **Loop iterations** need more, because an iteration can skip every op of the previous one. Loops
+  are found statically per code object (backward jumps give ``[head, back-jump]`` bytecode
+  ranges). In *user* code (not Terra, not under site-packages or the standard library), passes
+  are counted exactly: while an iteration is recorded, a global trace function (`sys.settrace`,
+  this thread only) gives a line tracer to user frames whose code contains loops, and CPython
+  reports a line event on every backward jump, so each pass through a loop head is counted
+  whether or not it issued ops. Every other frame costs one dict lookup per call.
+  In *library* frames (TF, Keras, stdlib) line tracing would cost several events per op, so
+  passes are counted at op time instead (`LibraryFrameLoops`): a new pass starts when the frame
+  issues an op at a smaller bytecode offset than its previous op, or at the same offset through a
+  different callee frame. That is exact for library loops whose passes run the same code
+  (Sequential's loop over layers, an optimizer's loop over variables); it merges a pass into the
+  previous one when the pass issues no op, or only ops later in the body than the previous pass.
+
+Frames of Terra itself are left out; tracing is paused while Terra's own code runs. Frames of TF
+and Keras are kept (their loops are what tells two Sequential layers' ops apart), and the whole
+stack is interned: one dict lookup maps a (code, offset, iterations) key to a shared `Location`.
+"""
+from __future__ import annotations
+
+import dis
+import os
+import sys
+import sysconfig
+import warnings
+
+from terra.ir.records import Location, LoopIter
+
+_TERRA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_LIBRARY_DIRS = tuple(sorted({os.path.realpath(p) + os.sep for key in ("stdlib", "platstdlib",
+                                                                       "purelib", "platlib")
+                              if (p := sysconfig.get_paths().get(key))} |
+                             {os.path.realpath(p) + os.sep for p in sys.path
+                              if p.endswith(("site-packages", "dist-packages"))}))
+_BACKWARD_JUMPS = {"JUMP_BACKWARD", "POP_JUMP_BACKWARD_IF_TRUE", "POP_JUMP_BACKWARD_IF_FALSE",
+                   "POP_JUMP_BACKWARD_IF_NONE", "POP_JUMP_BACKWARD_IF_NOT_NONE"}
+
+
+class CodeInfo:
+    """Static facts about one code object: its frame label, whether it is Terra's own, its loops.
+
+    `loops` are ``(start, end, heads)`` bytecode ranges sorted outermost first; `heads` maps each
+    backward-jump target to whether it starts a source line (then a line event there can also be
+    plain fall-through, told apart by the previous event's offset).
+    """
+    __slots__ = ("label", "internal", "library", "loops", "loop_ids", "traced")
+
+    def __init__(self, code):
+        self.label = f"{os.path.basename(code.co_filename)}:{getattr(code, 'co_qualname', code.co_name)}"
+        self.internal = code.co_filename.startswith(_TERRA_DIR)
+        self.library = os.path.realpath(code.co_filename).startswith(_LIBRARY_DIRS)
+        self.loops = () if self.internal else find_loops(code)
+        self.loop_ids = tuple(f"{self.label}@{start}" for start, _, _ in self.loops)
+        self.traced = bool(self.loops) and not self.library  # user code with loops: line events
+
+
+def find_loops(code) -> tuple:
+    """Loop ranges of `code` from its backward jumps; overlapping ranges (``continue`` in a
+    ``while`` loop jumps to the condition, the loop end to the body) merge into one loop."""
+    line_starts = set()
+    jumps = []
+    for ins in dis.get_instructions(code):
+        if ins.starts_line is not None:
+            line_starts.add(ins.offset)
+        if ins.opname in _BACKWARD_JUMPS:
+            jumps.append((ins.argval, ins.offset))
+    loops: list = []
+    for start, end in sorted(jumps):
+        for loop in loops:
+            s, e, heads = loop
+            if s <= start <= e and end > e or start == s:  # overlapping, not nested
+                loop[1] = max(e, end)
+                heads[start] = start in line_starts
+                break
+        else:
+            loops.append([start, end, {start: start in line_starts}])
+    loops.sort(key=lambda l: (l[0], -l[1]))
+    return tuple((s, e, dict(h)) for s, e, h in loops)
+
+
+_infos: dict = {}
+
+
+def code_info(code) -> CodeInfo:
+    info = _infos.get(code)
+    if info is None:
+        info = _infos[code] = CodeInfo(code)
+    return info
+
+
+class FrameLoops:
+    """Per-frame loop state: the current pass number of each loop (None while outside it)."""
+    __slots__ = ("loops", "iters", "last", "ignored", "tracer")
+
+    def __init__(self, info: CodeInfo, ignore_at: int | None = None):
+        self.loops = info.loops
+        self.iters = [None] * len(info.loops)
+        self.last = -1
+        # Loops already running when recording started (the training loop around the root
+        # frame) are not part of any location.
+        self.ignored = tuple(ignore_at is not None and s <= ignore_at <= e for s, e, _ in info.loops)
+        self.tracer = self.trace
+
+    def trace(self, frame, event, arg):
+        if event == "line":
+            self.line(frame.f_lasti)
+        return self.tracer
+
+    def line(self, o: int) -> None:
+        last, iters = self.last, self.iters
+        for i, (s, e, heads) in enumerate(self.loops):
+            if s <= o <= e:
+                starts_line = heads.get(o)
+                if starts_line is not None and (not starts_line or last >= o):  # backward jump
+                    it = iters[i]
+                    iters[i] = 1 if it is None else it + 1
+                elif iters[i] is None:
+                    iters[i] = 0
+            else:
+                iters[i] = None
+        self.last = o
+
+    def at(self, o: int) -> tuple:
+        """(loop index, pass) of the loops enclosing offset `o`, outermost first; an op inside a
+        loop the tracer has not seen entered yet (a one-line loop) starts its pass 0."""
+        iters, out = self.iters, []
+        for i, (s, e, _) in enumerate(self.loops):
+            if s <= o <= e:
+                if iters[i] is None:
+                    iters[i] = 0
+                if not self.ignored[i]:
+                    out.append((i, iters[i]))
+            else:
+                iters[i] = None
+        self.last = o
+        return tuple(out)
+
+
+class LibraryFrameLoops:
+    """Loop state of a library frame (TF, Keras, stdlib), updated at op time only: a pass ends
+    when the frame issues an op at a smaller offset than its last op, or at the same offset
+    through a different callee frame (the call ran again). Exact when each pass starts at or
+    before the previous pass's last op offset (passes running the same code); an op-less pass,
+    or one issuing only ops later in the body, is merged into the previous pass."""
+    __slots__ = ("loops", "iters", "last", "last_child", "ignored")
+
+    def __init__(self, info: CodeInfo, ignore_at: int | None = None):
+        self.loops = info.loops
+        self.iters = [None] * len(info.loops)
+        self.last = None
+        self.last_child = None
+        self.ignored = tuple(ignore_at is not None and s <= ignore_at <= e for s, e, _ in info.loops)
+
+    def at(self, o: int, child) -> tuple:
+        iters, loops, last = self.iters, self.loops, self.last
+        for i, (s, e, _) in enumerate(loops):
+            if s <= o <= e:
+                if iters[i] is None:
+                    iters[i] = 0
+            else:
+                iters[i] = None
+        if last is not None and (o < last or (o == last and child is not self.last_child)):
+            inner = None
+            for i, (s, e, _) in enumerate(loops):
+                if s <= o <= e and s <= last <= e:
+                    inner = i  # loops are sorted outermost first: the last hit is innermost
+            if inner is not None:
+                iters[inner] += 1
+                s0, e0, _ = loops[inner]
+                for j in range(inner + 1, len(loops)):  # loops nested inside restart
+                    s, e, _ = loops[j]
+                    if s0 <= s and e <= e0 and s <= o <= e:
+                        iters[j] = 0
+        self.last, self.last_child = o, child
+        out = ()
+        for i, (s, e, _) in enumerate(loops):
+            if s <= o <= e and not self.ignored[i]:
+                out += ((i, iters[i]),)
+        return out
+
+
+_traced: dict = {}  # code -> CodeInfo for user code with loops, None for every other code
+
+
+def _global_trace(frame, event, arg, _get=_traced.get, _missing=_traced):
+    """Called by CPython for every new (or resumed) frame on the recording thread: kept to one
+    dict lookup for the frames that need nothing."""
+    info = _get(frame.f_code, _missing)
+    if info is None:
+        return None
+    if info is _missing:
+        info = code_info(frame.f_code)
+        info = _traced[frame.f_code] = info if info.traced else None
+        if info is None:
+            return None
+    return frame.f_trace or FrameLoops(info).tracer
+
+
+def pause_tracking():
+    """Turn line tracing off while Terra's own code runs (it would slow every line)."""
+    if sys.gettrace() is _global_trace:
+        sys.settrace(None)
+        return True
+    return False
+
+
+def resume_tracking(paused: bool) -> None:
+    if paused:
+        sys.settrace(_global_trace)
+
+
+class Locator:
+    """Computes `Location`s for ops issued below `root` (a frame) on the current thread.
+
+    `Locator(root, track_loops=True)` starts exact loop tracking for user frames (if another trace
+    function, e.g. a debugger or coverage, is installed, or `track_loops=False`, user loops are
+    counted at op time like library loops; a warning says so in the first case); `close()` stops
+    it. `location()` is called from inside Terra at op time.
+    """
+
+    def __init__(self, root, track_loops: bool = True):
+        if root is None:
+            raise ValueError("Locator: root frame is None")
+        self._stop = set()
+        f = root
+        while f is not None:
+            self._stop.add(f)
+            f = f.f_back
+        self._library: dict = {}  # frame -> LibraryFrameLoops (frames held until close)
+        self.tracking = False
+        if track_loops:
+            if sys.gettrace() is not None:
+                warnings.warn("terra: a trace function (debugger/coverage) is active; loop "
+                              "iterations are not part of recorded locations", RuntimeWarning)
+            else:
+                for f in self._stop:
+                    info = code_info(f.f_code)
+                    if info.traced and not isinstance(getattr(f.f_trace, "__self__", None),
+                                                      FrameLoops):
+                        f.f_trace = FrameLoops(info, ignore_at=f.f_lasti).tracer
+                sys.settrace(_global_trace)
+                self.tracking = True
+
+    def close(self) -> None:
+        if self.tracking:
+            sys.settrace(None)
+            self.tracking = False
+            f = sys._getframe(0)
+            while f is not None:
+                if isinstance(getattr(f.f_trace, "__self__", None), FrameLoops):
+                    f.f_trace = None
+                f = f.f_back
+        self._stop = set()
+        self._library = {}
+
+    def location(self, frame=None) -> Location:
+        """Location of the op issued from `frame` (default: the caller's frame)."""
+        f = sys._getframe(1) if frame is None else frame
+        stop = self._stop
+        key = []
+        child = None
+        while f is not None:
+            info = _infos.get(f.f_code) or code_info(f.f_code)
+            if not info.internal:
+                lasti = f.f_lasti
+                if not info.loops:
+                    key.append((info, lasti, ()))
+                elif info.library or not self.tracking:  # op-time pass counting
+                    state = self._library.get(f)
+                    if state is None:
+                        state = self._library[f] = LibraryFrameLoops(
+                            info, ignore_at=lasti if f in stop else None)
+                    key.append((info, lasti, state.at(lasti, child)))
+                else:
+                    state = getattr(f.f_trace, "__self__", None)
+                    iters = state.at(lasti) if isinstance(state, FrameLoops) else ()
+                    key.append((info, lasti, iters))
+            if f in stop:
+                break
+            child = f
+            f = f.f_back
+        key = tuple(key)
+        loc = _locations.get(key)
+        if loc is None:
+            if len(_locations) > _MAX_LOCATIONS:
+                _locations.clear()
+            loc = _locations[key] = _build(key)
+        return loc
+
+
+# Interned across recordings: the same program point gives the same `Location` object.
+_locations: dict = {}
+_MAX_LOCATIONS = 1 << 18
+_frame_labels: dict = {}
+
+
+def _build(key) -> Location:
+    frames, loops = [], []
+    for info, lasti, iters in reversed(key):  # root first
+        label = _frame_labels.get((info, lasti))
+        if label is None:
+            label = _frame_labels[(info, lasti)] = f"{info.label}@{lasti}"
+        frames.append(label)
+        for i, it in iters:
+            loops.append(LoopIter(info.loop_ids[i], it))
+    return Location(tuple(frames), tuple(loops))
