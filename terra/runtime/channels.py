@@ -22,8 +22,8 @@ import tensorflow as tf
 
 from terra.runtime.errors import ChannelClosedError, TerraTimeoutError
 
-__all__ = ["FeedChannel", "FetchChannel", "case_select_channel", "loop_cond_channel",
-           "DEFAULT_TIMEOUT", "wait_until"]
+__all__ = ["FeedChannel", "FetchChannel", "FeedFetchOrder", "case_select_channel",
+           "loop_cond_channel", "DEFAULT_TIMEOUT", "wait_until"]
 
 #: Bound, in seconds, of every Python-side wait when the caller gives none.
 DEFAULT_TIMEOUT = 60.0
@@ -175,7 +175,11 @@ class FeedChannel(_Channel):
             comps = _as_list(self.queue.dequeue())
         with tf.control_dependencies(comps):
             t1 = tf.timestamp()
-        self._stall.assign_add(t1 - t0)
+        add = self._stall.assign_add(t1 - t0)
+        # The value carries the timer update, so graphs without automatic control dependencies
+        # (which prune unused stateful ops) keep it too.
+        with tf.control_dependencies([add]):
+            comps = [tf.identity(c) for c in comps]
         return self._pack([self._restore_shape(c, s) for c, s in zip(comps, self.shapes)])
 
     @staticmethod
@@ -243,3 +247,51 @@ def case_select_channel(name="case_select"):
 def loop_cond_channel(name="loop_cond"):
     """A scalar bool FeedChannel read by a `tf.while_loop` cond per iteration (Loop-Cond)."""
     return FeedChannel(tf.bool, [], name=name)
+
+
+class FeedFetchOrder:
+    """Emits Input-Feeding / Output-Fetching ops in trace order with the ordering that Python needs.
+
+    Python performs feeds and fetches strictly in trace order; the graph executor does not. Call
+    `feed` / `fetch` in the order the trace performs them, and each Input-Feeding op gets control
+    dependencies on every Output-Fetching op before it (Figure 3.4: the fetched value may be what
+    Python needs to compute the feed) and on the previous Input-Feeding op (so one queue's elements
+    are matched in put order); each Output-Fetching op follows the previous fetch on its channel
+    (so Python's `get`s see the values in order). Edges are added transitively: a feed depends on
+    the previous feed and on the fetches since then, not on all earlier fetches one by one.
+
+    Inside a `tf.function`, automatic control dependencies already chain ops on the same queue in
+    construction order; these edges are what makes a graph built without them (or emitted out of
+    trace order) safe, and they make the stall timer of a timed dequeue start when it can really run.
+    """
+
+    def __init__(self):
+        self._last_feed = None
+        self._fetches_since_feed = []
+        self._last_fetch = {}
+
+    def feed(self, channel):
+        control = list(self._fetches_since_feed)
+        if self._last_feed is not None:
+            control.append(self._last_feed)
+        value = channel.dequeue_op(control_inputs=control)
+        comps = list(value) if isinstance(value, tuple) else [value]
+        self._last_feed = comps[0].op if len(comps) == 1 else tf.group(*comps)
+        self._fetches_since_feed = []
+        return value
+
+    def fetch(self, channel, value):
+        prev = self._last_fetch.get(id(channel))
+        with tf.control_dependencies([prev] if prev is not None else []):
+            op = channel.enqueue_op(value)
+        self._last_fetch[id(channel)] = op
+        self._fetches_since_feed.append(op)
+        return op
+
+    @property
+    def all_ops(self):
+        """Ops a graph built without automatic control dependencies must depend on to keep them."""
+        ops = list(self._last_fetch.values())
+        if self._last_feed is not None:
+            ops.append(self._last_feed)
+        return ops
