@@ -28,9 +28,9 @@ __all__ = ["FeedChannel", "FetchChannel", "FeedFetchOrder", "case_select_channel
 #: Bound, in seconds, of every Python-side wait when the caller gives none.
 DEFAULT_TIMEOUT = 60.0
 
-_SPIN_S = 100e-6      # poll without sleeping for this long first (lowest latency)
-_SLEEP_MIN_S = 20e-6  # then sleep, doubling from this ...
-_SLEEP_MAX_S = 1e-3   # ... up to this (worst added latency once a wait is long)
+_SPIN_S = 300e-6      # poll without sleeping for this long first (lowest latency)
+_SLEEP_MIN_S = 50e-6  # then sleep, doubling from this ...
+_SLEEP_MAX_S = 500e-6  # ... up to this (added latency and polling cost of long waits)
 
 
 def wait_until(ready, what, timeout=None, watch=None):
