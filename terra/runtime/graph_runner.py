@@ -68,7 +68,10 @@ def with_error_context(error, error_context, index_of=op_index_of):
     idx = _failing_op_index(error, index_of)
     if idx is None:
         return error
-    extra = error_context(idx)
+    try:
+        extra = error_context(idx)
+    except Exception as hook_error:  # noqa: BLE001 - never lose the graph's own error
+        extra = f"(error_context({idx}) failed: {hook_error!r})"
     if not extra:
         return error
     msg = f"{error.message}\n{extra}"
@@ -230,9 +233,18 @@ class GraphRunner:
         raise self._translate(run.error)
 
     def fetch(self, channel, timeout=None):
-        """`channel.get` that reports a failed graph at once and cancels it on Ctrl-C."""
+        """`channel.get` that reports a failed graph at once and cancels it on Ctrl-C.
+
+        Also fails at once (TerraRuntimeError) when every started run has ended and the channel
+        is empty, instead of waiting for the timeout.
+        """
+        def watch():
+            self.check()
+            if self.done and channel.size() == 0:  # nothing left that could still produce it
+                raise TerraRuntimeError(f"no graph run is active that could fill {channel!r}")
+
         try:
-            return channel.get(timeout=timeout, watch=self.check)
+            return channel.get(timeout=timeout, watch=watch)
         except KeyboardInterrupt:
             self.cancel()
             raise

@@ -298,3 +298,31 @@ def test_timing_counters():
     assert 0.25 <= t.graph_stall_s <= t.graph_exec_s + 0.01
     assert 0.0 <= t.python_stall_s < 0.2
     assert t == timing(r, [feed], [fetch])
+
+
+def test_fetch_fails_at_once_when_no_run_can_fill_the_channel():
+    fetch = FetchChannel(tf.float32, [], name="orphan")
+    r = GraphRunner()
+    with pytest.raises(TerraRuntimeError, match="orphan"):
+        r.fetch(fetch, timeout=20)
+
+    @tf.function(autograph=False)
+    def f():
+        return tf.constant(1.0)  # finishes without filling the channel
+
+    r.start(f)
+    r.result(10)
+    t0 = time.perf_counter()
+    with pytest.raises(TerraRuntimeError, match="no graph run is active"):
+        r.fetch(fetch, timeout=20)
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_failing_error_context_hook_keeps_the_graph_error():
+    def broken(index):
+        raise KeyError(index)
+
+    r = GraphRunner(error_context=broken)
+    r.start(_nan_check_fn(), (tf.constant([np.nan]),))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"error_context\(7\) failed"):
+        r.result(10)
