@@ -10,7 +10,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from terra.runtime.channels import FeedChannel, FetchChannel  # noqa: E402
+from terra.runtime.channels import FeedChannel, FetchChannel, wait_until  # noqa: E402
 from terra.runtime.errors import TerraRuntimeError, TerraTimeoutError  # noqa: E402
 from terra.runtime.graph_runner import (GraphRunner, op_index_of, op_node_name,  # noqa: E402
                                         timing, with_error_context)
@@ -188,7 +188,8 @@ def test_cancel_drops_pending_runs_and_leftover_feeds_can_be_drained():
     r = GraphRunner()
     r1, r2 = r.start(f), r.start(f)
     feed.put(1.0)  # r1 takes it and waits for a second value
-    time.sleep(0.1)
+    wait_until(lambda: feed.size() == 0, "r1's first dequeue", 10)
+    time.sleep(0.02)
     assert r.cancel(5) == [r1, r2]
     assert r2.state == "cancelled" and isinstance(r2.error, tf.errors.CancelledError)
     assert feed.drain() == 0
@@ -245,7 +246,7 @@ def test_keyboard_interrupt_while_fetching_cancels_the_graph():
 
     r = GraphRunner()
     run = r.start(f)
-    timer = threading.Timer(0.2, _thread.interrupt_main)  # Ctrl-C while Python waits
+    timer = threading.Timer(0.3, _thread.interrupt_main)  # Ctrl-C while Python waits
     timer.start()
     t0 = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
@@ -267,7 +268,7 @@ def test_keyboard_interrupt_while_waiting_for_result_cancels_the_graph():
 
     r = GraphRunner()
     run = r.start(f)
-    threading.Timer(0.2, _thread.interrupt_main).start()
+    threading.Timer(0.3, _thread.interrupt_main).start()
     with pytest.raises(KeyboardInterrupt):
         r.result(timeout=30)
     assert run.state == "cancelled"
