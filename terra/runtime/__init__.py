@@ -7,13 +7,14 @@ case/loop choices through `FeedChannel`s, reads values through `FetchChannel`s, 
 from terra.runtime.channels import (DEFAULT_TIMEOUT, FeedChannel, FeedFetchOrder, FetchChannel,
                                     case_select_channel, loop_cond_channel, wait_until)
 from terra.runtime.errors import ChannelClosedError, TerraRuntimeError, TerraTimeoutError
-from terra.runtime.graph_runner import (GraphRun, GraphRunner, Timing, op_index_of, op_node_name,
-                                        timing, with_error_context)
+from terra.runtime.graph_runner import (FetchResolver, GraphRun, GraphRunner, Timing, op_index_of,
+                                        op_node_name, timing, with_error_context)
 from terra.runtime.placeholders import ConstantResolver, Placeholder, is_placeholder
 
 __all__ = [
     "DEFAULT_TIMEOUT", "FeedChannel", "FeedFetchOrder", "FetchChannel", "case_select_channel",
     "loop_cond_channel", "wait_until", "ChannelClosedError", "TerraRuntimeError",
-    "TerraTimeoutError", "GraphRun", "GraphRunner", "Timing", "op_index_of", "op_node_name",
+    "TerraTimeoutError", "FetchResolver", "GraphRun", "GraphRunner", "Timing", "op_index_of",
+    "op_node_name",
     "timing", "with_error_context", "ConstantResolver", "Placeholder", "is_placeholder",
 ]

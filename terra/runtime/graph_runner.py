@@ -33,8 +33,8 @@ from terra import _tf_private as tfp
 from terra.runtime.channels import DEFAULT_TIMEOUT, wait_until
 from terra.runtime.errors import TerraRuntimeError
 
-__all__ = ["GraphRunner", "GraphRun", "Timing", "timing", "op_node_name", "op_index_of",
-           "with_error_context"]
+__all__ = ["GraphRunner", "GraphRun", "FetchResolver", "Timing", "timing", "op_node_name",
+           "op_index_of", "with_error_context"]
 
 _OP_NAME_PREFIX = "terra_op_"
 _NODE_RE = re.compile(r"\{\{node ([^}]+)\}\}")
@@ -262,8 +262,8 @@ class GraphRunner:
                 r.manager.start_cancel()
                 if r.state == "pending":  # never picked up by the worker: end it here
                     r.state = "cancelled"
-                    r.error = tf.errors.CancelledError(None, None,
-                                                       f"graph run #{r.index} cancelled before it started")
+                    r.error = tf.errors.CancelledError(
+                        None, None, f"graph run #{r.index} cancelled before it started")
                     r._done.set()
             self._work = collections.deque(r for r in self._work if r not in runs)
         timeout = DEFAULT_TIMEOUT if timeout is None else timeout
@@ -272,6 +272,21 @@ class GraphRunner:
         with self._cv:
             self._runs = collections.deque(r for r in self._runs if r not in runs)
         return [r for r in runs if r.state == "cancelled"]
+
+
+class FetchResolver:
+    """Placeholder resolver that fetches the value from a running graph (one `runner.fetch`)."""
+
+    __slots__ = ("runner", "channel", "timeout")
+
+    def __init__(self, runner, channel, timeout=None):
+        self.runner, self.channel, self.timeout = runner, channel, timeout
+
+    def resolve(self):
+        return self.runner.fetch(self.channel, timeout=self.timeout)
+
+    def __repr__(self):
+        return f"FetchResolver({self.channel!r})"
 
 
 @dataclasses.dataclass(frozen=True)
