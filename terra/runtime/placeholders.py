@@ -124,9 +124,8 @@ class Placeholder(tfp.Tensor):
         v = self._terra_value
         return v.device if v is not None else ""
 
-    @property
-    def graph(self):
-        return None
+    # No `graph` attribute: like an EagerTensor's, it raises AttributeError (tf.Variable's
+    # initializer check reads `initial_value.graph` only when `hasattr` finds it).
 
     @property
     def is_materialized(self):
