@@ -76,7 +76,7 @@ class Placeholder(tfp.Tensor):
     @classmethod
     def create(cls, dtype, shape, resolver, terra_id=None):
         _check_resolver(resolver)
-        tfp.install_function_call_guard(is_placeholder, _materialize)
+        tfp.install_function_call_guard(Placeholder, _materialize)
         self = object.__new__(cls)
         d = self.__dict__
         d["_dtype"] = tf.dtypes.as_dtype(dtype)
