@@ -21,11 +21,13 @@ Timing: `exec_seconds` is the wall time of runs on the worker; graph stall (wait
 measured inside the graph by timed FeedChannels; Python stall is the time spent in
 `FetchChannel.get`. `timing(...)` gathers all three.
 """
+import atexit
 import collections
 import dataclasses
 import re
 import threading
 import time
+import weakref
 
 import tensorflow as tf
 
@@ -111,6 +113,19 @@ class GraphRun:
         return f"GraphRun(#{self.index}, {self.state})"
 
 
+_live_runners = weakref.WeakSet()
+
+
+@atexit.register
+def _cancel_live_runners():
+    # A daemon thread still blocked inside a graph at interpreter shutdown can crash TF's teardown.
+    for runner in list(_live_runners):
+        try:
+            runner.cancel(timeout=1.0)
+        except Exception:  # noqa: BLE001, S110 - best effort at exit
+            pass
+
+
 class GraphRunner:
     """Runs graph functions on one background daemon thread; see the module docstring."""
 
@@ -125,6 +140,7 @@ class GraphRunner:
         self._cv = threading.Condition()
         self._thread = None
         self._next_index = 0
+        _live_runners.add(self)
 
     # ---- worker ---------------------------------------------------------------------------
     def _ensure_thread(self):

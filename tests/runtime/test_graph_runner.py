@@ -397,3 +397,21 @@ def test_placeholders_resolve_from_a_running_graph():
         wr.assign_sub(0.1 * x)
     assert [float(v) for v in losses] == ref
     np.testing.assert_array_equal(w.numpy(), wr.numpy())
+
+
+@pytest.mark.slow
+def test_interpreter_exits_cleanly_with_a_blocked_run():
+    import subprocess
+    import sys
+    code = (
+        "import tensorflow as tf, time\n"
+        "from terra.runtime import FeedChannel, GraphRunner\n"
+        "feed = FeedChannel(tf.float32, [], name='exit_feed')\n"
+        "f = tf.function(lambda: feed.dequeue_op(), autograph=False)\n"
+        "run = GraphRunner().start(f)\n"
+        "time.sleep(0.3)\n"
+        "print('state', run.state)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "state running" in out.stdout
