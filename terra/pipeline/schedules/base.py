@@ -188,7 +188,8 @@ def format_grid(schedule: Schedule, marks: Optional[dict] = None, transfers: boo
     (e.g. ``"!"``) appended to the cell, used to point at an offending action. ``.`` is a bubble."""
     marks = marks or {}
     steps = schedule.steps if max_steps is None else min(schedule.steps, max_steps)
-    show_transfers = transfers and schedule.has_transfers
+    show_transfers = transfers and (schedule.has_transfers
+                                    or any(len(k) == 3 for k in marks))
     rows: list[tuple[str, list[str]]] = []
     for r in range(schedule.p):
         cells = []
@@ -197,8 +198,9 @@ def format_grid(schedule: Schedule, marks: Optional[dict] = None, transfers: boo
             text = "." if a is None else str(a)
             cells.append(text + marks.get((r, t), ""))
         rows.append((f"r{r}", cells))
-        if show_transfers:
-            rows.append(("  ~", [format_cell(schedule.transfers[r][t]) for t in range(steps)]))
+        if show_transfers and (any(schedule.transfers[r]) or any(k[0] == r for k in marks if len(k) == 3)):
+            rows.append(("  ~", [format_cell(schedule.transfers[r][t]) + marks.get((r, t, "transfers"), "")
+                                 for t in range(steps)]))
     width = max([len(c) for _, cells in rows for c in cells] + [len(str(steps - 1)), 1])
     header = "step " + " ".join(str(t).rjust(width) for t in range(steps))
     lines = [header] + [f"{label:<4} " + " ".join(c.rjust(width) for c in cells) for label, cells in rows]

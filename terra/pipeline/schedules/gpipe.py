@@ -8,9 +8,8 @@ from terra.pipeline.schedules.base import Schedule, _check_positive, from_orders
 def gpipe(p: int, m: int) -> Schedule:
     """GPipe over ``p`` ranks (one stage each) and ``m`` micro-batches.
 
-    Backwards run in reverse micro-batch order (last in, first out), as in GPipe's figure; this
-    lets the last stage start backward right after its last forward."""
+    Backwards run in micro-batch order, so ``gpipe(p, m)`` is exactly ``kfkb(p, m, k=m)``."""
     _check_positive(p=p, m=m)
-    orders = [[Action(s, F, i) for i in range(m)] + [Action(s, B, i) for i in reversed(range(m))]
+    orders = [[Action(s, F, i) for i in range(m)] + [Action(s, B, i) for i in range(m)]
               for s in range(p)]
     return from_orders("gpipe", p, m, orders, stage_ranks=range(p), pipe_depth=p)
