@@ -1,0 +1,43 @@
+"""Cluster mode: 1F1B and BPipe on 4 local TF server workers (own processes, loopback-only netns)."""
+import shutil
+import subprocess
+
+import pytest
+
+from terra.pipeline import cluster
+
+
+def _unshare_works():
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return False
+    return subprocess.run(["unshare", "-rn", "true"], capture_output=True).returncode == 0
+
+
+needs_netns = pytest.mark.skipif(not _unshare_works(), reason="needs `unshare -rn` (user namespaces)")
+
+
+@needs_netns
+def test_four_workers_1f1b_and_bpipe_match_single_device():
+    report = cluster.run_isolated(["demo", "--workers", "4", "--microbatches", "8"], timeout=240)
+    runs = report["runs"]
+    for name in ("1f1b", "1f1b+bpipe"):
+        run = runs[name]
+        assert run["grad_err"] < 1e-5, (name, run["grad_err"])
+        assert run["loss"] == pytest.approx(run["ref_loss"], abs=1e-5)
+        assert all(peak > 0 for peak in run["allocator_peak"]), "BFC allocator stats per worker"
+    assert runs["1f1b"]["ledger_peak_packs"] == [4, 3, 2, 1]
+    assert runs["1f1b+bpipe"]["ledger_peak_packs"][0] == 3        # mu_opt = ceil((4 + 2) / 2)
+    assert runs["1f1b+bpipe"]["transfer_seconds"][0] > 0           # stage 0 really moved packs
+    assert runs["1f1b"]["transfer_seconds"] == [0, 0, 0, 0]
+
+
+def test_local_cluster_refuses_a_shared_network_namespace():
+    if cluster.loopback_only():
+        pytest.skip("already inside a loopback-only namespace")
+    with pytest.raises(RuntimeError, match="listen on all interfaces"):
+        cluster.LocalCluster(2)
+
+
+def test_local_cluster_rejects_bad_worker_count():
+    with pytest.raises(ValueError, match="num_workers"):
+        cluster.LocalCluster(0)
