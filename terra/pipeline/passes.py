@@ -128,33 +128,40 @@ def belady(schedule: Schedule, rank: int, capacity: int,
     for schedules whose pairs are less complementary than 1F1B's (e.g. kFkB with odd k)."""
     spans = items(schedule, rank)
     accepting = live_counts(schedule, acceptor) if acceptor is not None else None
-    away: dict[tuple[int, int], tuple[int, int]] = {}   # key -> (evict step, load step)
+    starts: dict[int, list] = {}
+    for key, (f, _) in spans.items():
+        starts.setdefault(f, []).append(key)
+    returns: dict[int, list] = {}            # load step -> keys coming back
+    held: set = set()
+    evicted: set = set()
     plan: dict[int, list[tuple]] = {}
     for t in range(schedule.steps):
-        held = [k for k, (f, b) in spans.items()
-                if f <= t <= b and not (k in away and away[k][0] < t < away[k][1])]
+        held.update(starts.get(t, ()))
+        held.update(returns.get(t, ()))
+        held.difference_update([k for k in held if spans[k][1] < t])
         excess = len(held) - capacity
         while excess > 0:
-            candidates = [k for k in held if k not in away
+            candidates = [k for k in held if k not in evicted
                           and spans[k][0] <= t - 2 and spans[k][1] >= t + 2]
             if accepting is not None:
                 candidates = [k for k in candidates
                               if max(accepting[t - 1:spans[k][1]]) < capacity]
             if not candidates:
                 raise Infeasible(f"{schedule.name}: rank {rank} cannot stay within {capacity} "
-                                 f"micro-batches at step {t} (holds {len(held)}: {held}); no saved "
-                                 f"micro-batch can be away at that step"
+                                 f"micro-batches at step {t} (holds {len(held)}: {sorted(held)}); "
+                                 f"no saved micro-batch can be away at that step"
                                  + ("" if acceptor is None else f" without rank {acceptor} "
                                                                 f"exceeding {capacity}"))
             victim = max(candidates, key=lambda k: (spans[k][1], spans[k][0]))
             evict_at, load_at = t - 1, spans[victim][1] - 1
-            away[victim] = (evict_at, load_at)
+            evicted.add(victim)
+            held.discard(victim)
+            returns.setdefault(load_at, []).append(victim)
             plan.setdefault(evict_at, []).append(("evict", victim))
             plan.setdefault(load_at, []).append(("load", victim))
             if accepting is not None:
                 for u in range(evict_at, load_at + 1):
                     accepting[u] += 1
-            held.remove(victim)
             excess -= 1
     return plan
 
