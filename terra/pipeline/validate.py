@@ -266,9 +266,10 @@ def _deadlock(schedule: Schedule, out) -> None:
                 done.add(a)
                 pos[r] += 1
                 progress = True
-    waiting = {r: orders[r][pos[r]] for r in range(schedule.p) if pos[r] < len(orders[r])}
-    if waiting:
-        where = {r: schedule.compute[r].index(a) for r, a in waiting.items()}
-        text = ", ".join(f"rank {r} waits at {a}" for r, a in waiting.items())
-        for r, a in waiting.items():
-            out.append(Problem(r, where[r], a, f"deadlock: {text}"))
+    for r in range(schedule.p):
+        if pos[r] < len(orders[r]):
+            a = orders[r][pos[r]]
+            missing = [str(d) for d in _deps(a, schedule.next_stage, schedule.prev_stage)
+                       if d not in done]
+            out.append(Problem(r, schedule.compute[r].index(a), a,
+                               f"deadlock: rank {r} blocks here waiting for {', '.join(missing)}"))
