@@ -105,3 +105,11 @@ def test_repr():
                        "evictions=0, violations=0, peak_bytes=[2, 1])")
     with pytest.raises(TypeError):
         simulate([[None]])
+
+
+def test_docs_grid_is_current():
+    import pathlib
+    doc = pathlib.Path(__file__).resolve().parents[2] / "docs" / "pipeline_schedules.md"
+    text = doc.read_text()
+    assert simulate(add_evict_load(one_f_one_b(4, 8))).timeline() in text
+    assert simulate(one_f_one_b(4, 8)).timeline() in text
