@@ -173,7 +173,7 @@ class StageProgram:
     # --------------------------------------------------------------------------------- calls
     def forward(self, x, labels=None):
         """Run the forward on the stage device; returns (output, Pack)."""
-        args = [x] + ([labels] if self.is_last else []) + self._captures
+        args = [tf.convert_to_tensor(x)] + ([tf.convert_to_tensor(labels)] if self.is_last else []) + self._captures
         with tf.device(self.device):
             outs = self._pair.forward(*args)
         return outs[0], Pack([outs[k] for k in self.pack_sources])
