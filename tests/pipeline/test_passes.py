@@ -228,3 +228,29 @@ def test_send_recv_exact_for_two_stages():
     assert transfers_of(s, 0) == {0: ["0S0>1"], 1: ["0S1>1"], 3: ["0R0<1"], 5: ["0R1<1"]}
     assert transfers_of(s, 1) == {1: ["1R0<0"], 2: ["1S0>0"], 3: ["1R1<0"], 4: ["1S1>0"]}
     assert [x.payload for x in s.transfers[0][0] + s.transfers[0][3]] == ["activation", "gradient"]
+
+
+@pytest.mark.slow
+def test_exhaustive_sweep():
+    """Every p in 2..16 and m in p..4p: all generators valid, BPipe within mu_opt everywhere,
+    Algorithm 2 == Belady on 1F1B (1-2 minutes)."""
+    for p in range(2, 17):
+        for m in range(p, 4 * p + 1):
+            base = one_f_one_b(p, m)
+            s = add_evict_load(base)
+            assert s.transfers == add_evict_load(base, method="belady").transfers
+            r = simulate(s)
+            assert r.violations == () and max(r.peak_microbatches) <= math.ceil((p + 2) / 2)
+            assert simulate(gpipe(p, m)).violations == ()
+            for k in range(1, m + 1):
+                if m % k == 0:
+                    s = add_evict_load(kfkb(p, m, k))
+                    cap = int(s.name.split("mu=")[1].split(",")[0])
+                    r = simulate(s)
+                    assert r.violations == () and max(r.peak_microbatches) <= cap
+            if m % p == 0:
+                for v in (2, 3):
+                    r = simulate(add_evict_load(interleaved_1f1b(p, m, v)))
+                    assert r.violations == () and max(r.peak_microbatches) <= p * v + 1
+                if p % 2 == 0:
+                    assert simulate(add_evict_load(chimera(p, m))).violations == ()
