@@ -204,6 +204,17 @@ def test_csv_round_trip_text():
         Schedule.from_csv("rank,lane\n")
 
 
+def test_schedule_rejects_bad_cells():
+    with pytest.raises(TypeError, match=r"compute\[0\]\[0\] must be an Action or None, got '0F0'"):
+        Schedule("x", 1, 1, (("0F0",),), stage_ranks=(0,), pipe_depth=1)
+    with pytest.raises(ValueError, match="one row per rank"):
+        Schedule("x", 2, 1, ((None,),), stage_ranks=(0, 1), pipe_depth=2)
+    with pytest.raises(ValueError, match="outside 0..0"):
+        Schedule("x", 1, 1, ((None,),), stage_ranks=(0, 1), pipe_depth=1)
+    with pytest.raises(ValueError, match="multiple of pipe_depth"):
+        Schedule("x", 1, 1, ((None,),), stage_ranks=(0, 0, 0), pipe_depth=2)
+
+
 def test_from_orders_reports_deadlock():
     orders = [[Action(0, F, 0), Action(0, B, 0), Action(0, F, 1), Action(0, B, 1)],
               [Action(1, F, 1), Action(1, B, 1), Action(1, F, 0), Action(1, B, 0)]]

@@ -52,6 +52,11 @@ class Schedule:
             raise ValueError(f"compute must have one row per rank ({self.p}), got {len(self.compute)}")
         steps = max((len(row) for row in self.compute), default=0)
         compute = tuple(tuple(row) + (None,) * (steps - len(row)) for row in self.compute)
+        for r, row in enumerate(compute):
+            for t, cell in enumerate(row):
+                if cell is not None and not isinstance(cell, Action):
+                    raise TypeError(f"compute[{r}][{t}] must be an Action or None, got {cell!r} "
+                                    f"(use Action.parse for text)")
         transfers = self.transfers
         if transfers is None:
             transfers = tuple(((),) * steps for _ in range(self.p))
@@ -64,6 +69,10 @@ class Schedule:
                 steps = longest
             transfers = tuple(tuple(tuple(c) for c in row) + ((),) * (steps - len(row))
                               for row in transfers)
+            for r, row in enumerate(transfers):
+                for t, cell in enumerate(row):
+                    if not all(isinstance(x, Action) for x in cell):
+                        raise TypeError(f"transfers[{r}][{t}] must hold Actions, got {cell!r}")
         object.__setattr__(self, "compute", compute)
         object.__setattr__(self, "transfers", transfers)
         object.__setattr__(self, "stage_ranks", tuple(self.stage_ranks))
