@@ -23,7 +23,7 @@ import math
 from dataclasses import replace
 from typing import Optional
 
-from terra.pipeline.actions import Action, B, EVICT, F, LOAD, RECV, SEND
+from terra.pipeline.actions import Action, EVICT, F, LOAD, RECV, SEND
 from terra.pipeline.schedules.base import Schedule, _deps
 from terra.pipeline.schedules.one_f_one_b import one_f_one_b_order
 

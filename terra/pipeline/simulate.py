@@ -15,11 +15,11 @@ chunk's; for Chimera: one replica stage's).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
 from terra.pipeline.actions import B, EVICT, F, LOAD
-from terra.pipeline.schedules.base import Schedule, format_grid
+from terra.pipeline.schedules.base import Schedule
 from terra.pipeline.validate import Problem, problems
 
 Bytes = Union[int, Mapping[int, int], None]

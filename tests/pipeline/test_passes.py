@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from terra.pipeline import EVICT, LOAD, RECV, SEND, Action, Schedule, simulate
+from terra.pipeline import EVICT, RECV, SEND, Action, Schedule, simulate
 from terra.pipeline.passes import (Infeasible, add_evict_load, add_send_recv, algorithm2, belady,
                                    items, mu_opt, pairs)
 from terra.pipeline.schedules import chimera, gpipe, interleaved_1f1b, kfkb, one_f_one_b
@@ -214,7 +214,6 @@ def test_send_recv(make):
     assert problems(s) == []
     sends = [(r, t, x) for r, t, x in s.actions() if x.kind is SEND]
     recvs = [(r, t, x) for r, t, x in s.actions() if x.kind is RECV]
-    stages = base.num_stages // base.pipe_depth * (base.pipe_depth - 1)
     assert len(sends) == len(recvs) == 2 * base.m * (base.pipe_depth - 1)
     for r, t, x in sends:
         assert base.rank_of(x.stage) == r and x.peer in (x.stage - 1, x.stage + 1)

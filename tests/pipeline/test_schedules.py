@@ -2,7 +2,7 @@
 
 The checks here are written independently of `terra.pipeline.validate` (which is exercised
 in test_validate.py) so that a bug shared by a generator and the validator still shows up."""
-import math
+import itertools
 
 import pytest
 
@@ -121,7 +121,7 @@ def test_kfkb(p, m, k):
     assert peaks(s) == [k * min(p - r, m // k) for r in range(p)]
     for r in range(p):  # runs of F and of B come in whole groups of k
         kinds = [a.kind for a in s.compute_order(r)]
-        runs = [len(list(g)) for _, g in __import__("itertools").groupby(kinds)]
+        runs = [len(list(g)) for _, g in itertools.groupby(kinds)]
         assert all(n % k == 0 for n in runs), runs
 
 
