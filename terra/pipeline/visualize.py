@@ -32,15 +32,19 @@ _COLORS = {F: "#4C72B0", B: "#55A868"}
 
 def plot(result, path, title: Optional[str] = None) -> str:
     """Rank x time chart: F (blue) and B (green) boxes labelled with micro-batch (and stage when a
-    rank runs several), red down-triangles for EVICT and orange up-triangles for LOAD above the
-    box, and the held count as a thin line under each rank. Written with the Agg backend."""
+    rank runs several), red down-triangles for EVICT and orange up-triangles for LOAD (with the
+    micro-batch) above the box, and the held count as a step line under each rank. Rendered on
+    an Agg canvas directly, so pyplot's global backend is left alone."""
     import matplotlib
-    matplotlib.use("Agg", force=False)
+    import matplotlib.lines
+    import matplotlib.patches
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     schedule = result.schedule
     T, p = schedule.steps, schedule.p
-    fig = Figure(figsize=(max(6.0, 0.35 * T + 1.5), 0.9 * p + 1.2))
+    fig = Figure(figsize=(max(6.0, 0.35 * T + 1.5), 0.9 * p + 1.5))
+    FigureCanvasAgg(fig)  # render with Agg without touching pyplot's global backend
     ax = fig.add_subplot(1, 1, 1)
     multi = schedule.num_stages > p
     peak = max(max(result.peak_microbatches, default=1), 1)
@@ -51,16 +55,24 @@ def plot(result, path, title: Optional[str] = None) -> str:
                 continue
             ax.add_patch(_rect(t, y, _COLORS[a.kind], matplotlib))
             label = f"{a.stage}:{a.microbatch}" if multi else str(a.microbatch)
-            ax.text(t + 0.5, y + 0.5, label, ha="center", va="center", fontsize=6, color="white")
+            ax.text(t + 0.5, y + 0.6, label, ha="center", va="center", fontsize=6, color="white")
         for t, cell in enumerate(schedule.transfers[r]):
-            for j, x in enumerate(cell):
-                if x.kind is EVICT:
-                    ax.plot(t + 0.3 + 0.2 * j, y + 0.92, marker="v", color="#C44E52", markersize=4)
-                elif x.kind is LOAD:
-                    ax.plot(t + 0.3 + 0.2 * j, y + 0.92, marker="^", color="#DD8452", markersize=4)
+            moves = [x for x in cell if x.kind in (EVICT, LOAD)]
+            for j, x in enumerate(moves):
+                marker, color = ("v", "#C44E52") if x.kind is EVICT else ("^", "#DD8452")
+                ax.plot(t + 0.25 + 0.3 * j, y + 0.93, marker=marker, color=color, markersize=4)
+                ax.text(t + 0.45 + 0.3 * j, y + 0.93, str(x.microbatch), fontsize=5, va="center",
+                        color=color)
         xs = [t + 0.5 for t in range(T)]
-        ys = [y + 0.05 + 0.25 * n / peak for n in result.held[r]]
-        ax.plot(xs, ys, color="black", linewidth=0.6)
+        ys = [y + 0.04 + 0.26 * n / peak for n in result.held[r]]
+        ax.step(xs, ys, where="mid", color="black", linewidth=0.7)
+    handles = [matplotlib.patches.Patch(color=_COLORS[F], label="forward"),
+               matplotlib.patches.Patch(color=_COLORS[B], label="backward"),
+               matplotlib.lines.Line2D([], [], marker="v", color="#C44E52", linestyle="", label="evict"),
+               matplotlib.lines.Line2D([], [], marker="^", color="#DD8452", linestyle="", label="load"),
+               matplotlib.lines.Line2D([], [], color="black", linewidth=0.7, label="held")]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=5,
+              fontsize=7, frameon=False)
     ax.set_xlim(0, T)
     ax.set_ylim(0, p)
     ax.set_yticks([p - 1 - r + 0.5 for r in range(p)])
@@ -76,5 +88,5 @@ def plot(result, path, title: Optional[str] = None) -> str:
 
 
 def _rect(t, y, color, matplotlib):
-    return matplotlib.patches.Rectangle((t + 0.04, y + 0.1), 0.92, 0.8, facecolor=color,
+    return matplotlib.patches.Rectangle((t + 0.04, y + 0.34), 0.92, 0.52, facecolor=color,
                                         edgecolor="none")
