@@ -81,6 +81,7 @@ def test_timeline_text():
 
 
 def test_plot_png(tmp_path):
+    pytest.importorskip("matplotlib")  # an optional dependency (the "bench" extra)
     path = simulate(add_evict_load(one_f_one_b(4, 8))).plot(tmp_path / "bpipe.png")
     data = open(path, "rb").read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
