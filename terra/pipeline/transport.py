@@ -59,9 +59,22 @@ class Mailbox:
             return sorted(self._values, key=str)
 
 
-@tf.function(autograph=False, reduce_retracing=True)
-def _copy(tensors):
-    return [tf.identity(t) for t in tensors]
+_COPIES = {}
+_COPIES_LOCK = threading.Lock()
+
+
+def _copier(device: str):
+    """A compiled identity pinned to ``device`` *inside* the function: with the device only on
+    the call site, the placer may keep an Identity next to its input (no move at all; seen on
+    cluster workers, where the 'evicted' pack never left the evictor)."""
+    with _COPIES_LOCK:
+        fn = _COPIES.get(device)
+        if fn is None:
+            def copy(tensors):
+                with tf.device(device):
+                    return [tf.identity(t) for t in tensors]
+            fn = _COPIES[device] = tf.function(copy, autograph=False, reduce_retracing=True)
+        return fn
 
 
 def move(tensors: Sequence, device: str) -> list:
@@ -70,4 +83,4 @@ def move(tensors: Sequence, device: str) -> list:
     if not tensors:
         return []
     with tf.device(device):
-        return list(_copy(tensors))
+        return list(_copier(device)(tensors))
