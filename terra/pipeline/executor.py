@@ -92,15 +92,29 @@ class PipelineTrainer:
     ``v`` chunks needs ``len(stages) == v * len(devices)``. Chimera needs ``replica_stages``: a
     second copy of the parts (same initial values) for the upward pipeline; part ``i``'s replica
     runs on rank ``p - 1 - i``.
+
+    Data parallel x pipeline: ``devices[r]`` may be a list of ``R`` devices (the same ``R`` for
+    every rank) and ``data_parallel_stages`` ``R - 1`` further copies of the parts (copy ``j``'s
+    part on ``devices[rank][j + 1]``). Each micro-batch is split into ``R`` shards, one per copy;
+    per rank a ``tf.distribute.MirroredStrategy`` over its ``R`` devices with
+    ``ReductionToOneDevice`` sums the copies' gradients, and every copy applies the same update.
     """
 
     def __init__(self, stages: Sequence, optimizer_factory: Callable, *, devices: Sequence[str],
                  schedule="1f1b", balance: Optional[str] = None, microbatches: int = 4,
                  loss_fn: Callable = lm_loss, replica_stages: Optional[Sequence] = None,
-                 timeout: float = 120.0, overlap: bool = True, **schedule_options):
+                 data_parallel_stages: Sequence = (), timeout: float = 120.0, overlap: bool = True,
+                 **schedule_options):
         if not callable(optimizer_factory):
             raise TypeError(f"optimizer_factory must be callable, got {optimizer_factory!r}")
-        self.devices = list(devices)
+        self.rank_devices = [list(d) if isinstance(d, (list, tuple)) else [d] for d in devices]
+        self.dp = len(self.rank_devices[0]) if self.rank_devices else 1
+        if any(len(d) != self.dp for d in self.rank_devices):
+            raise ValueError(f"every rank needs the same number of data-parallel devices, got {devices!r}")
+        if len(data_parallel_stages) != self.dp - 1:
+            raise ValueError(f"{self.dp} data-parallel devices per rank need {self.dp - 1} more copies "
+                             f"of the parts in data_parallel_stages, got {len(data_parallel_stages)}")
+        self.devices = [d[0] for d in self.rank_devices]
         p = len(self.devices)
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
@@ -128,13 +142,32 @@ class PipelineTrainer:
         self.timeout = timeout
         self.overlap = overlap
         d = sch.pipe_depth
-        # Global stage g runs part g % d of replica g // d on rank stage_ranks[g].
-        self.parts = [_Part(copies[g // d][g % d], self.devices[sch.stage_ranks[g]],
-                            g % d == d - 1, loss_fn) for g in range(sch.num_stages)]
+        # Global stage g runs part g % d of pipeline replica g // d on rank stage_ranks[g];
+        # replicas[g][j] is its data-parallel copy j.
+        dp_copies = [None] + [list(c) for c in data_parallel_stages]
+        for j, c in enumerate(dp_copies[1:], 1):
+            if len(c) != len(stages):
+                raise ValueError(f"data_parallel_stages[{j - 1}] has {len(c)} parts, expected {len(stages)}")
+        self.replicas = []
         for g in range(sch.num_stages):
-            if g >= d:  # replicas start from the primary's values
-                for a, b in zip(self.parts[g].variables, self.parts[g % d].variables):
-                    a.assign(b)
+            row = []
+            for j in range(self.dp):
+                src = copies[g // d] if j == 0 else dp_copies[j]
+                if j > 0 and g >= d:
+                    raise ValueError("data parallel x Chimera is not supported")
+                row.append(_Part(src[g % d], self.rank_devices[sch.stage_ranks[g]][j], g % d == d - 1, loss_fn))
+            self.replicas.append(row)
+        self.parts = [row[0] for row in self.replicas]
+        for g, row in enumerate(self.replicas):  # every copy starts from the primary's values
+            for j, part in enumerate(row):
+                if g >= d or j > 0:
+                    for a, b in zip(part.variables, self.parts[g % d].variables):
+                        a.assign(b)
+        self.strategies = None
+        if self.dp > 1:
+            self.strategies = [tf.distribute.MirroredStrategy(
+                devs, cross_device_ops=tf.distribute.ReductionToOneDevice(reduce_to_device=devs[0]))
+                for devs in self.rank_devices]
         self.optimizer_factory = optimizer_factory
         self.ledger = memory_lib.Ledger(p)
         self._transfer_pools = [ThreadPoolExecutor(1, thread_name_prefix=f"pipe-xfer{r}") for r in range(p)]
@@ -146,20 +179,21 @@ class PipelineTrainer:
     def _build(self, x_spec, y_spec):
         sch = self.schedule
         spec = x_spec
-        for g, part in enumerate(self.parts):
+        for g, row in enumerate(self.replicas):
             if g % sch.pipe_depth == 0:
                 spec = x_spec
-            part.program = StageProgram(part.fn, part.variables, spec,
-                                        y_spec if part.is_last else None, part.device)
-            spec = part.program.output_spec
-            if part.optimizer is None:
-                with tf.device(part.device):
-                    part.optimizer = self.optimizer_factory()
-                    part.optimizer.build(part.variables)
-                part.apply = _compiled_apply(part.optimizer, part.variables)
+            for part in row:
+                part.program = StageProgram(part.fn, part.variables, spec,
+                                            y_spec if part.is_last else None, part.device)
+                if part.optimizer is None:
+                    with tf.device(part.device):
+                        part.optimizer = self.optimizer_factory()
+                        part.optimizer.build(part.variables)
+                    part.apply = _compiled_apply(part.optimizer, part.variables)
+            spec = row[0].program.output_spec
         self._accumulate = tf.function(lambda acc, g: [a + b for a, b in zip(acc, g)], autograph=False)
         for r in range(sch.p):
-            stages = [self.parts[g] for g in sch.stages_of(r)]
+            stages = [part for g in sch.stages_of(r) for part in self.replicas[g]]
             vs = [v for part in stages for v in part.variables]
             opt_vars = [v for part in stages for v in part.optimizer.variables]
             self.ledger.set_static(r, weights=memory_lib.variable_bytes(vs),
@@ -172,16 +206,17 @@ class PipelineTrainer:
         """Bytes one micro-batch's pack occupies (moved bases), per global stage."""
         if self._built_for is None:
             raise RuntimeError("pack sizes are known after the first step")
-        return [part.program.plan.moved_bytes for part in self.parts]
+        return [sum(part.program.plan.moved_bytes for part in row) for row in self.replicas]
 
     # -------------------------------------------------------------------------------- step
     def step(self, x, y, apply: bool = True) -> float:
         """One training step on batch (x, y): returns the mean loss over the batch. The summed
         per-part gradients stay in ``last_gradients``; ``apply=False`` skips the update."""
         x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
-        if x.shape[0] is None or x.shape[0] % self.m:
-            raise ValueError(f"batch size {x.shape[0]} must be a multiple of microbatches={self.m}")
-        xs, ys = tf.split(x, self.m), tf.split(y, self.m)
+        if x.shape[0] is None or x.shape[0] % (self.m * self.dp):
+            raise ValueError(f"batch size {x.shape[0]} must be a multiple of microbatches={self.m}"
+                             + (f" x data-parallel copies={self.dp}" if self.dp > 1 else ""))
+        xs, ys = tf.split(x, self.m * self.dp), tf.split(y, self.m * self.dp)
         specs = (tf.TensorSpec(xs[0].shape, xs[0].dtype), tf.TensorSpec(ys[0].shape, ys[0].dtype))
         if self._built_for != specs:
             self._build(*specs)
@@ -190,8 +225,9 @@ class PipelineTrainer:
         first = {a.microbatch: a.stage for r in range(sch.p) for a in sch.compute_order(r)
                  if a.kind is F and sch.prev_stage(a.stage) is None}
         for i in range(self.m):
-            state.mailbox.put(("x", first[i], i), xs[i])
-            state.labels[i] = ys[i]
+            for j in range(self.dp):
+                state.mailbox.put(("x", first[i], i, j), xs[i * self.dp + j])
+                state.labels[i, j] = ys[i * self.dp + j]
         start = time.perf_counter()
         threads = [threading.Thread(target=state.run_rank, args=(r,), name=f"pipe-rank{r}", daemon=True)
                    for r in range(sch.p)]
@@ -203,28 +239,42 @@ class PipelineTrainer:
             raise state.errors[0]
         self.last_gradients = self._reduce(state)
         if apply:
-            for g, part in enumerate(self.parts):
-                with tf.device(part.device):
-                    part.apply(self.last_gradients[g % sch.pipe_depth])
+            for g, row in enumerate(self.replicas):
+                for part in row:
+                    with tf.device(part.device):
+                        part.apply(self.last_gradients[g % sch.pipe_depth])
         self.last_step_seconds = time.perf_counter() - start
         self.transfer_seconds = state.transfer_seconds
         leftovers = state.mailbox.pending()
-        if leftovers or state.packs or state.evicted:
+        if leftovers or any(state.packs.values()) or state.evicted:
             raise RuntimeError(f"schedule left work undone: mail {leftovers}, packs "
                                f"{sorted(state.packs)}, evicted {sorted(state.evicted)}")
-        return float(tf.add_n([tf.identity(l) for l in state.losses.values()]) / self.m)
+        return float(tf.add_n([tf.identity(l) for l in state.losses.values()]) / (self.m * self.dp))
 
     def _reduce(self, state) -> list:
-        """Per model part: the gradient summed over micro-batches and replicas (Chimera)."""
+        """Per model part: the gradient summed over micro-batches, pipeline replicas (Chimera)
+        and data-parallel copies (a MirroredStrategy all-reduce per rank)."""
         d = self.schedule.pipe_depth
         grads = {}
-        for g in sorted(state.grads):
-            part, acc = g % d, state.grads[g]
+        for g, j in sorted(state.grads):
+            part, acc = g % d, state.grads[g, j]
+            if j > 0:
+                continue
             if part in grads:
                 with tf.device(self.parts[part].device):
                     acc = [a + b for a, b in zip(grads[part], acc)]
             grads[part] = acc
-        return [grads[k] for k in range(d)]
+        if self.dp == 1:
+            return [grads[k] for k in range(d)]
+        out = []
+        for k in range(d):  # no Chimera with data parallelism: stage k is part k
+            strategy = self.strategies[self.schedule.stage_ranks[k]]
+            per_copy = [state.grads[k, j] for j in range(self.dp)]
+            values = [strategy.experimental_distribute_values_from_function(
+                lambda ctx, i=i: per_copy[ctx.replica_id_in_sync_group][i]) for i in range(len(per_copy[0]))]
+            out.append(list(strategy.extended.batch_reduce_to(
+                tf.distribute.ReduceOp.SUM, [(v, self.parts[k].device) for v in values])))
+        return out
 
     # ----------------------------------------------------------------------------- reports
     def memory_report(self, allocator: Optional[Callable] = None) -> list[dict]:
@@ -233,7 +283,7 @@ class PipelineTrainer:
         e.g. a cluster's per-worker reader)."""
         out = []
         for r, entry in enumerate(self.ledger.report()):
-            entry = dict(entry, rank=r, device=self.devices[r],
+            entry = dict(entry, rank=r, device=self.devices[r], devices=self.rank_devices[r],
                          allocator=(allocator(r) if allocator else memory_lib.allocator_info(self.devices[r])))
             out.append(entry)
         return out
@@ -260,7 +310,7 @@ class _StepState:
 
     def run_rank(self, rank: int):
         sch = self.t.schedule
-        pack_bytes = [p.program.plan.moved_bytes for p in self.t.parts]
+        pack_bytes = self.t.pack_bytes
         try:
             for step in range(sch.steps):
                 action = sch.compute[rank][step]
@@ -293,51 +343,56 @@ class _StepState:
         return self.t._transfer_pools[rank].submit(timed)
 
     # ------------------------------------------------------------------------------ handlers
+    # Each handler does its action for every data-parallel copy j of the stage.
     def forward(self, rank, a):
-        part = self.t.parts[a.stage]
-        x = self.mailbox.get(("x", a.stage, a.microbatch))
-        if part.is_last:
-            out, pack = part.program.forward(x, self.labels[a.microbatch])
-            self.losses[a.microbatch] = out
-        else:
-            out, pack = part.program.forward(x)
-            self.mailbox.put(("x", a.stage + 1, a.microbatch), out)
+        key = (a.stage, a.microbatch)
+        packs = []
+        for j, part in enumerate(self.t.replicas[a.stage]):
+            x = self.mailbox.get(("x", a.stage, a.microbatch, j))
+            if part.is_last:
+                out, pack = part.program.forward(x, self.labels[a.microbatch, j])
+                self.losses[a.microbatch, j] = out
+            else:
+                out, pack = part.program.forward(x)
+                self.mailbox.put(("x", a.stage + 1, a.microbatch, j), out)
+            packs.append(pack)
         with self.lock:
-            self.packs[(a.stage, a.microbatch)] = pack
+            self.packs[key] = packs
 
     def backward(self, rank, a):
-        sch, part = self.t.schedule, self.t.parts[a.stage]
-        if part.is_last:
-            with tf.device(part.device):
-                grad = tf.constant(1.0 / self.t.m, part.program.output_spec.dtype)
-        else:
-            grad = self.mailbox.get(("g", a.stage, a.microbatch))
+        sch = self.t.schedule
         with self.lock:
-            pack = self.packs.pop((a.stage, a.microbatch), None)
-        if pack is None:
+            packs = self.packs.pop((a.stage, a.microbatch), None)
+        if packs is None:
             raise RuntimeError(f"{a}: no saved activations for stage {a.stage} micro-batch {a.microbatch}")
-        if not pack.resident:
-            raise RuntimeError(f"{a}: activations were evicted and not loaded before the backward")
-        gx, gvars = part.program.backward(pack, grad)
-        if sch.prev_stage(a.stage) is not None:
-            self.mailbox.put(("g", a.stage - 1, a.microbatch), gx)
-        acc = self.grads.get(a.stage)
-        with tf.device(part.device):
-            self.grads[a.stage] = gvars if acc is None else self.t._accumulate(acc, gvars)
+        for j, (part, pack) in enumerate(zip(self.t.replicas[a.stage], packs)):
+            if part.is_last:
+                with tf.device(part.device):
+                    grad = tf.constant(1.0 / (self.t.m * self.t.dp), part.program.output_spec.dtype)
+            else:
+                grad = self.mailbox.get(("g", a.stage, a.microbatch, j))
+            if not pack.resident:
+                raise RuntimeError(f"{a}: activations were evicted and not loaded before the backward")
+            gx, gvars = part.program.backward(pack, grad)
+            if sch.prev_stage(a.stage) is not None:
+                self.mailbox.put(("g", a.stage - 1, a.microbatch, j), gx)
+            acc = self.grads.get((a.stage, j))
+            with tf.device(part.device):
+                self.grads[a.stage, j] = gvars if acc is None else self.t._accumulate(acc, gvars)
 
     def evict(self, rank, a):
-        plan = self.t.parts[a.stage].program.plan
         with self.lock:
-            pack = self.packs[(a.stage, a.microbatch)]
-        bases = pack.split(plan)
-        self.evicted[(a.stage, a.microbatch)] = transport.move(bases, self.t.devices[a.peer])
+            packs = self.packs[(a.stage, a.microbatch)]
+        self.evicted[(a.stage, a.microbatch)] = [
+            transport.move(pack.split(part.program.plan), self.t.rank_devices[a.peer][j])
+            for j, (part, pack) in enumerate(zip(self.t.replicas[a.stage], packs))]
 
     def load(self, rank, a):
-        plan = self.t.parts[a.stage].program.plan
-        bases = self.evicted.pop((a.stage, a.microbatch))
+        moved = self.evicted.pop((a.stage, a.microbatch))
         with self.lock:
-            pack = self.packs[(a.stage, a.microbatch)]
-        pack.restore(plan, transport.move(bases, self.t.parts[a.stage].device))
+            packs = self.packs[(a.stage, a.microbatch)]
+        for part, pack, bases in zip(self.t.replicas[a.stage], packs, moved):
+            pack.restore(part.program.plan, transport.move(bases, part.device))
 
     def noop(self, rank, a):
         """SEND/RECV: the mailbox moves stage outputs and gradients when they are consumed."""

@@ -145,3 +145,29 @@ def test_a_failing_stage_aborts_every_rank_quickly():
         trainer.step(*batch(4))
     trainer.parts[1].program.forward = original
     trainer.close()
+
+
+def test_data_parallel_times_pipeline_matches_single_device():
+    """4 stages x 2 data-parallel copies (MirroredStrategy per stage, ReductionToOneDevice)."""
+    cpus = logical_cpus(8)
+    devices = [[cpus[r], cpus[r + 4]] for r in range(4)]
+    parts = st.tiny_gpt(4, devices=cpus[:4])
+    copy = st.tiny_gpt(4, seed=5, devices=cpus[4:])       # other init: the trainer syncs it
+    m = 4
+    x, y = batch(2 * m * 2)
+    ref_loss, ref_grads, ref_weights, variables = reference(parts, x, y, keras.optimizers.Adam(LR))
+    trainer = ex.PipelineTrainer(parts, lambda: keras.optimizers.Adam(LR), devices=devices,
+                                 schedule="1f1b", balance="bpipe", microbatches=m,
+                                 data_parallel_stages=[copy])
+    loss = trainer.step(x, y)
+    trainer.close()
+    assert loss == pytest.approx(ref_loss, abs=TOL)
+    assert max_err([g for part in trainer.last_gradients for g in part], ref_grads) < TOL
+    assert max_err([v.numpy() for v in variables], ref_weights) < TOL
+    copy_vars = [v for part in copy for v in st.trainable_variables(part)]
+    assert max_err([v.numpy() for v in copy_vars], ref_weights) < TOL
+    assert trainer.memory_report()[0]["peak_packs"] == 3
+    with pytest.raises(ValueError, match="same number of data-parallel devices"):
+        ex.PipelineTrainer(parts, lambda: keras.optimizers.SGD(0.1), devices=[cpus[:2], cpus[2:3]])
+    with pytest.raises(ValueError, match="need 1 more copies"):
+        ex.PipelineTrainer(parts[:2], lambda: keras.optimizers.SGD(0.1), devices=[cpus[:2], cpus[2:4]])
