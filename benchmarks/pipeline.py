@@ -31,39 +31,55 @@ def time_schedules(p, m, repeats, seq, d_model, mb_size):
     x = rng.integers(0, 64, (m * mb_size, seq)).astype("int32")
     y = rng.integers(0, 64, (m * mb_size, seq)).astype("int32")
     rows = []
-    for name in SCHEDULES:
-        for balance in (None, "bpipe"):
-            nparts = 2 * p if name == "interleaved" else p
-            parts = stage.tiny_gpt(nparts, seq=seq, d_model=d_model,
-                                   devices=[devices[k % p] for k in range(nparts)])
-            reps = stage.tiny_gpt(nparts, seq=seq, d_model=d_model, devices=devices[::-1]) if name == "chimera" else None
-            tr = PipelineTrainer(parts, lambda: keras.optimizers.Adam(1e-3), devices=devices, schedule=name,
-                                 balance=balance, microbatches=m, replica_stages=reps)
-            tr.step(x, y)  # build + warm up
-            tr.ledger.reset_peaks()
-            times, xfer = [], []
-            for _ in range(repeats):
-                tr.step(x, y)
-                times.append(tr.last_step_seconds)
-                xfer.append(sum(tr.transfer_seconds))
-            mem = tr.memory_report()
-            moves = sum(1 for _, _, a in tr.schedule.actions() if a.kind.name in ("EVICT", "LOAD"))
-            rows.append({"schedule": name, "balance": balance or "none",
-                         "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-                         "transfer_s_median": statistics.median(xfer), "transfers": moves,
-                         "ledger_peak_packs": [r["peak_packs"] for r in mem],
-                         "ledger_peak_activation": [r["peak_activation"] for r in mem],
-                         "ledger_peak_total": [r["peak_total"] for r in mem]})
-            tr.close()
-            print(f"{name:12s} {balance or 'none':6s} median {rows[-1]['median_s'] * 1e3:7.1f} ms "
-                  f"packs {rows[-1]['ledger_peak_packs']}", flush=True)
+    runs = [(name, balance, True) for name in SCHEDULES for balance in (None, "bpipe")]
+    runs.insert(4, ("1f1b", "bpipe", False))                 # BPipe with synchronous transfers
+    trainers = []
+    for name, balance, overlap in runs:
+        nparts = 2 * p if name == "interleaved" else p
+        parts = stage.tiny_gpt(nparts, seq=seq, d_model=d_model,
+                               devices=[devices[k % p] for k in range(nparts)])
+        reps = stage.tiny_gpt(nparts, seq=seq, d_model=d_model, devices=devices[::-1]) if name == "chimera" else None
+        tr = PipelineTrainer(parts, lambda: keras.optimizers.Adam(1e-3), devices=devices, schedule=name,
+                             balance=balance, microbatches=m, replica_stages=reps, overlap=overlap)
+        tr.step(x, y)  # build + warm up
+        tr.ledger.reset_peaks()
+        trainers.append(tr)
+    # Round-robin repeats, so load from other processes on the machine hits every run alike.
+    times = [[] for _ in runs]
+    xfer = [[] for _ in runs]
+    for _ in range(repeats):
+        for k, tr in enumerate(trainers):
+            tr.step(x, y)
+            times[k].append(tr.last_step_seconds)
+            xfer[k].append(sum(tr.transfer_seconds))
+    for (name, balance, overlap), tr, ts, xs in zip(runs, trainers, times, xfer):
+        mem = tr.memory_report()
+        moves = sum(1 for _, _, a in tr.schedule.actions() if a.kind.name in ("EVICT", "LOAD"))
+        rows.append({"schedule": name, "balance": (balance or "none") + ("" if overlap else "+sync"),
+                     "median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts),
+                     "transfer_s_median": statistics.median(xs), "transfers": moves,
+                     "ledger_peak_packs": [r["peak_packs"] for r in mem],
+                     "ledger_peak_activation": [r["peak_activation"] for r in mem],
+                     "ledger_peak_total": [r["peak_total"] for r in mem]})
+        tr.close()
+        print(f"{name:12s} {rows[-1]['balance']:11s} median {rows[-1]['median_s'] * 1e3:7.1f} ms "
+              f"packs {rows[-1]['ledger_peak_packs']}", flush=True)
     return rows
 
 
 def markdown(report):
+    overhead = ""
+    rows = {(r["schedule"], r["balance"]): r for r in report["in_process"]}
+    base, bal, sync = (rows[("1f1b", k)]["median_s"] for k in ("none", "bpipe", "bpipe+sync"))
+    overhead = (f"BPipe overhead on 1F1B (in-process): {100 * (bal / base - 1):+.1f}% with overlapped "
+                f"transfers, {100 * (sync / base - 1):+.1f}% with synchronous transfers.")
+    if report.get("cluster"):
+        c = report["cluster"]["runs"]
+        overhead += (f" Cluster: {100 * (c['1f1b+bpipe']['seconds'] / c['1f1b']['seconds'] - 1):+.1f}% "
+                     f"overlapped, {100 * (c['1f1b+bpipe+sync']['seconds'] / c['1f1b']['seconds'] - 1):+.1f}% synchronous.")
     lines = [f"# Pipeline schedules, {report['stages']} stages, {report['microbatches']} micro-batches",
              "", f"Machine: {report['machine']}. Times: median of {report['repeats']} steps "
-             "(min-max), in-process logical CPUs.", "",
+             "(min-max), in-process logical CPUs.", "", overhead, "",
              "| schedule | balance | step ms (min-max) | transfer ms | EVICT+LOAD | ledger peak packs / rank | ledger peak activation KiB / rank |",
              "|---|---|---|---|---|---|---|"]
     for r in report["in_process"]:
@@ -72,7 +88,7 @@ def markdown(report):
                      f"{r['ledger_peak_packs']} | {[round(b / 1024) for b in r['ledger_peak_activation']]} |")
     if report.get("cluster"):
         lines += ["", "## Cluster mode (one TF server process per stage, BFC allocator per worker)", "",
-                  "| run | step ms | grad err vs single device | ledger peak packs | allocator peak KiB / worker (above idle) | transfer ms |",
+                  "| run | step ms (median) | grad err vs single device | ledger peak packs | allocator peak KiB / worker (above idle) | transfer ms |",
                   "|---|---|---|---|---|---|"]
         for name, r in report["cluster"]["runs"].items():
             above = [round((a - b) / 1024) for a, b in zip(r["allocator_peak"], r["allocator_base"])]
@@ -125,6 +141,7 @@ def main():
         from terra.pipeline import cluster
         report["cluster"] = cluster.run_isolated(
             ["demo", "--workers", str(args.stages), "--microbatches", str(args.microbatches),
+             "--schedules", "1f1b,1f1b+bpipe,1f1b+bpipe+sync,gpipe", "--repeats", str(args.repeats),
              "--seq", str(args.seq), "--d-model", str(args.d_model), "--mb-size", str(args.mb_size)], timeout=400)
     report["in_process"] = time_schedules(args.stages, args.microbatches, args.repeats, args.seq,
                                           args.d_model, args.mb_size)

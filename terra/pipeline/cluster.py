@@ -186,7 +186,8 @@ def run_isolated(args, timeout: float = 180.0) -> dict:
 
 
 # ------------------------------------------------------------------------------------ demo
-def demo(workers: int, microbatches: int, seq: int, d_model: int, mb_size: int, schedules):
+def demo(workers: int, microbatches: int, seq: int, d_model: int, mb_size: int, schedules,
+         repeats: int = 1):
     """1F1B and BPipe (and any other ``schedules``) on local workers; gradients vs single device."""
     import numpy as np
     import keras
@@ -209,22 +210,27 @@ def demo(workers: int, microbatches: int, seq: int, d_model: int, mb_size: int, 
             ref_loss = st.lm_loss(y, st.sequential(parts[-1])(h))
         ref = [g.numpy() for g in tape.gradient(ref_loss, variables)]
         for name in schedules:
-            sched, _, bal = name.partition("+")
+            sched, *flags = name.split("+")            # e.g. "1f1b+bpipe+sync"
             trainer = executor.PipelineTrainer(parts, lambda: keras.optimizers.Adam(1e-3),
-                                               devices=devices, schedule=sched, balance=bal or None,
-                                               microbatches=microbatches)
+                                               devices=devices, schedule=sched,
+                                               balance="bpipe" if "bpipe" in flags else None,
+                                               microbatches=microbatches, overlap="sync" not in flags)
             trainer.step(x, y, apply=False)              # build and warm up
-            trainer.ledger.reset_peaks()
-            cluster.reset_peaks()
-            base = [cluster.allocator(i)["current"] for i in range(workers)]
-            start = time.perf_counter()
-            loss = trainer.step(x, y, apply=False)
-            seconds = time.perf_counter() - start
+            times = []
+            for _ in range(repeats):
+                trainer.ledger.reset_peaks()
+                cluster.reset_peaks()
+                base = [cluster.allocator(i)["current"] for i in range(workers)]
+                start = time.perf_counter()
+                loss = trainer.step(x, y, apply=False)
+                times.append(time.perf_counter() - start)
+            seconds = sorted(times)[len(times) // 2]
             grads = [g.numpy() for part in trainer.last_gradients for g in part]
             err = max(float(np.max(np.abs(a - r))) for a, r in zip(grads, ref))
             mem = trainer.memory_report(allocator=cluster.allocator)
             report["runs"][name] = {
                 "loss": loss, "ref_loss": float(ref_loss), "grad_err": err, "seconds": seconds,
+                "seconds_min": min(times), "seconds_max": max(times),
                 "pack_bytes": trainer.pack_bytes,
                 "transfer_seconds": trainer.transfer_seconds,
                 "ledger_peak_packs": [r["peak_packs"] for r in mem],
@@ -247,13 +253,15 @@ def main(argv=None):
     d.add_argument("--seq", type=int, default=32)
     d.add_argument("--d-model", type=int, default=32)
     d.add_argument("--mb-size", type=int, default=4)
-    d.add_argument("--schedules", default="1f1b,1f1b+bpipe")
+    d.add_argument("--schedules", default="1f1b,1f1b+bpipe",
+                   help="comma-separated runs: schedule[+bpipe][+sync] (sync: no transfer overlap)")
+    d.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args(argv)
     if args.cmd == "worker":
         worker_main(json.loads(args.spec), args.task)
     else:
         print(json.dumps(demo(args.workers, args.microbatches, args.seq, args.d_model,
-                              args.mb_size, args.schedules.split(","))), flush=True)
+                              args.mb_size, args.schedules.split(","), args.repeats)), flush=True)
 
 
 if __name__ == "__main__":

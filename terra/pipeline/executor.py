@@ -383,6 +383,8 @@ class _StepState:
     def evict(self, rank, a):
         with self.lock:
             packs = self.packs[(a.stage, a.microbatch)]
+        # pack.split drops the pack's references; once the (waited) move returns, the bases die
+        # with this frame, so the evictor's copy is freed before its next action runs.
         self.evicted[(a.stage, a.microbatch)] = [
             transport.move(pack.split(part.program.plan), self.t.rank_devices[a.peer][j])
             for j, (part, pack) in enumerate(zip(self.t.replicas[a.stage], packs))]

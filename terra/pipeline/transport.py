@@ -72,15 +72,23 @@ def _copier(device: str):
         if fn is None:
             def copy(tensors):
                 with tf.device(device):
-                    return [tf.identity(t) for t in tensors]
+                    # The token is an output like the copies: fetching it waits for the whole call.
+                    return [tf.identity(t) for t in tensors], tf.zeros([], tf.int8)
             fn = _COPIES[device] = tf.function(copy, autograph=False, reduce_retracing=True)
         return fn
 
 
-def move(tensors: Sequence, device: str) -> list:
-    """Copy ``tensors`` to ``device`` in one compiled call; returns the copies (same order)."""
+def move(tensors: Sequence, device: str, wait: bool = True) -> list:
+    """Copy ``tensors`` to ``device`` in one compiled call; returns the copies (same order).
+
+    Remote eager execution is asynchronous: the call returns before the copy has run. With
+    ``wait`` the move blocks until it is done (one tiny fetch), so a caller that then drops the
+    sources frees them on the source device before anything it enqueues next."""
     tensors = list(tensors)
     if not tensors:
         return []
     with tf.device(device):
-        return list(_copier(device)(tensors))
+        copies, token = _copier(device)(tensors)
+    if wait:
+        token.numpy()
+    return list(copies)

@@ -29,13 +29,15 @@ def test_four_workers_1f1b_and_bpipe_match_single_device():
     assert runs["1f1b+bpipe"]["ledger_peak_packs"][0] == 3        # mu_opt = ceil((4 + 2) / 2)
     assert runs["1f1b+bpipe"]["transfer_seconds"][0] > 0           # stage 0 really moved packs
     assert runs["1f1b"]["transfer_seconds"] == [0, 0, 0, 0]
-    # Real allocator peaks (each worker its own process, BFC on CPU), above the idle level: BPipe
-    # removes at least most of one pack from stage 0 (p - mu_opt = 1) and stage 3 takes it.
+    # Real allocator peaks (each worker its own process, BFC on CPU), above the idle level. The
+    # ledger says stage 0 drops by p - mu_opt = 1 pack and stage 3 gains 2 accepted packs; measured
+    # (4 workers, 2 cores): stage 0 -0.8..-1.0 pack, stage 3 +1.9..+2.2 packs. Transients inside F
+    # and B differ run to run, so the bounds leave room.
     above = {name: [peak - base for peak, base in zip(run["allocator_peak"], run["allocator_base"])]
              for name, run in runs.items()}
     pack0 = runs["1f1b"]["pack_bytes"][0]
-    assert above["1f1b"][0] - above["1f1b+bpipe"][0] >= 0.8 * pack0, above
-    assert above["1f1b+bpipe"][3] - above["1f1b"][3] >= 0.8 * pack0, above
+    assert above["1f1b"][0] - above["1f1b+bpipe"][0] >= 0.5 * pack0, above
+    assert above["1f1b+bpipe"][3] - above["1f1b"][3] >= 1.0 * pack0, above
 
 
 def test_local_cluster_refuses_a_shared_network_namespace():
