@@ -41,7 +41,8 @@ def time_schedules(p, m, repeats, seq, d_model, mb_size):
         reps = stage.tiny_gpt(nparts, seq=seq, d_model=d_model, devices=devices[::-1]) if name == "chimera" else None
         tr = PipelineTrainer(parts, lambda: keras.optimizers.Adam(1e-3), devices=devices, schedule=name,
                              balance=balance, microbatches=m, replica_stages=reps, overlap=overlap)
-        tr.step(x, y)  # build + warm up
+        tr.step(x, y)  # build + warm up (the optimizer update is compiled on the second step)
+        tr.step(x, y)
         tr.ledger.reset_peaks()
         trainers.append(tr)
     # Round-robin repeats, so load from other processes on the machine hits every run alike.

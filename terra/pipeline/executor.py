@@ -77,9 +77,17 @@ class _Part:
 
 
 def _compiled_apply(optimizer, variables):
+    """The optimizer update, eager on the first call and compiled from the second on: tracing
+    Keras Adam costs about half a second per part, which a one-step run should not pay."""
     def apply(grads):
         optimizer.apply_gradients(zip(grads, variables))
-    return tf.function(apply, autograph=False)
+    compiled = tf.function(apply, autograph=False)
+    calls = [0]
+
+    def call(grads):
+        calls[0] += 1
+        return (apply if calls[0] == 1 else compiled)(grads)
+    return call
 
 
 class PipelineTrainer:

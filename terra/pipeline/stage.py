@@ -230,28 +230,38 @@ def trainable_variables(parts: Sequence) -> list:
 
 # ------------------------------------------------------------------------------- tiny GPT
 class _Block:
-    """Pre-LN transformer block (causal self-attention + MLP), built eagerly on creation."""
+    """Pre-LN transformer block: causal multi-head self-attention and a GELU MLP (plain TF ops
+    around Keras Dense/LayerNorm; tracing is several times cheaper than keras MultiHeadAttention)."""
 
     def __init__(self, d_model, heads, seq, seed):
         import keras
         init = lambda k: keras.initializers.GlorotUniform(seed=seed * 10 + k)  # noqa: E731
+        self.heads, self.seq, self.d_model = heads, seq, d_model
         self.ln1 = keras.layers.LayerNormalization(epsilon=1e-5)
-        self.attn = keras.layers.MultiHeadAttention(heads, d_model // heads, kernel_initializer=init(1))
+        self.qkv = keras.layers.Dense(3 * d_model, kernel_initializer=init(1))
+        self.proj = keras.layers.Dense(d_model, kernel_initializer=init(4))
         self.ln2 = keras.layers.LayerNormalization(epsilon=1e-5)
         self.fc1 = keras.layers.Dense(4 * d_model, activation="gelu", kernel_initializer=init(2))
         self.fc2 = keras.layers.Dense(d_model, kernel_initializer=init(3))
         shape = (1, seq, d_model)
-        self.ln1.build(shape)
-        self.attn.build(shape, shape)
-        self.ln2.build(shape)
-        self.fc1.build(shape)
+        for layer in (self.ln1, self.qkv, self.proj, self.ln2, self.fc1):
+            layer.build(shape)
         self.fc2.build((1, seq, 4 * d_model))
-        self.trainable_variables = [v for layer in (self.ln1, self.attn, self.ln2, self.fc1, self.fc2)
+        self.trainable_variables = [v for layer in (self.ln1, self.qkv, self.proj, self.ln2, self.fc1, self.fc2)
                                     for v in layer.trainable_variables]
 
+    def attention(self, x):
+        b, t, d, h = tf.shape(x)[0], self.seq, self.d_model, self.heads
+        q, k, v = tf.split(self.qkv(x), 3, axis=-1)
+        split = lambda z: tf.transpose(tf.reshape(z, [b, t, h, d // h]), [0, 2, 1, 3])  # noqa: E731
+        scores = tf.matmul(split(q), split(k), transpose_b=True) / float(np.sqrt(d // h))
+        causal = tf.linalg.band_part(tf.ones([t, t]), -1, 0)
+        scores = scores - 1e9 * (1.0 - causal)
+        out = tf.matmul(tf.nn.softmax(scores, axis=-1), split(v))
+        return self.proj(tf.reshape(tf.transpose(out, [0, 2, 1, 3]), [b, t, d]))
+
     def __call__(self, x):
-        h = self.ln1(x)
-        x = x + self.attn(h, h, use_causal_mask=True)
+        x = x + self.attention(self.ln1(x))
         return x + self.fc2(self.fc1(self.ln2(x)))
 
 
