@@ -245,19 +245,21 @@ class PipelineTrainer:
             t.join()
         if state.errors:
             raise state.errors[0]
+        leftovers = state.mailbox.pending()
+        if leftovers or state.packs or state.evicted:
+            raise RuntimeError(f"schedule left work undone: mail {leftovers}, packs "
+                               f"{sorted(state.packs)}, evicted {sorted(state.evicted)}")
         self.last_gradients = self._reduce(state)
         if apply:
             for g, row in enumerate(self.replicas):
                 for part in row:
                     with tf.device(part.device):
                         part.apply(self.last_gradients[g % sch.pipe_depth])
+        # Fetching the loss waits for (possibly asynchronous, remote) execution to finish.
+        loss = float(tf.add_n([tf.identity(l) for l in state.losses.values()]) / (self.m * self.dp))
         self.last_step_seconds = time.perf_counter() - start
         self.transfer_seconds = state.transfer_seconds
-        leftovers = state.mailbox.pending()
-        if leftovers or any(state.packs.values()) or state.evicted:
-            raise RuntimeError(f"schedule left work undone: mail {leftovers}, packs "
-                               f"{sorted(state.packs)}, evicted {sorted(state.evicted)}")
-        return float(tf.add_n([tf.identity(l) for l in state.losses.values()]) / (self.m * self.dp))
+        return loss
 
     def _reduce(self, state) -> list:
         """Per model part: the gradient summed over micro-batches, pipeline replicas (Chimera)
@@ -286,7 +288,8 @@ class PipelineTrainer:
 
     # ----------------------------------------------------------------------------- reports
     def memory_report(self, allocator: Optional[Callable] = None) -> list[dict]:
-        """Per rank: the live ledger (bytes and peaks) and, where readable, the allocator's
+        """Per rank: the live ledger (bytes now, peaks since creation or `ledger.reset_peaks()`;
+        ``peak_packs`` counts held + accepted micro-batch packs) and, where readable, the allocator's
         ``{'current', 'peak'}`` for the rank's device (``allocator(rank)`` overrides the reader,
         e.g. a cluster's per-worker reader)."""
         out = []

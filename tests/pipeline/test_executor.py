@@ -171,3 +171,25 @@ def test_data_parallel_times_pipeline_matches_single_device():
         ex.PipelineTrainer(parts, lambda: keras.optimizers.SGD(0.1), devices=[cpus[:2], cpus[2:3]])
     with pytest.raises(ValueError, match="need 1 more copies"):
         ex.PipelineTrainer(parts[:2], lambda: keras.optimizers.SGD(0.1), devices=[cpus[:2], cpus[2:4]])
+
+
+def test_a_schedule_object_runs_as_given_and_unfinished_work_is_reported():
+    from terra.pipeline import Action, F, Schedule
+    from terra.pipeline.schedules import one_f_one_b
+    devices = logical_cpus(2)
+    parts = st.tiny_gpt(2, devices=devices)
+    opt = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
+    ok = ex.PipelineTrainer(parts, opt, devices=devices, schedule=one_f_one_b(2, 2), microbatches=2)
+    assert ok.schedule.name == "1f1b"
+    ok.step(*batch(4), apply=False)
+    ok.close()
+    forward_only = Schedule(name="f-only", p=2, m=1, compute=((Action(0, F, 0), None), (None, Action(1, F, 0))),
+                            stage_ranks=(0, 1), pipe_depth=2)
+    before = [v.numpy() for v in st.trainable_variables(parts[0])]
+    trainer = ex.PipelineTrainer(parts, opt, devices=devices, schedule=forward_only, microbatches=1)
+    with pytest.raises(RuntimeError, match="left work undone"):
+        trainer.step(*batch(2))
+    trainer.close()
+    assert max_err([v.numpy() for v in st.trainable_variables(parts[0])], before) == 0.0
+    with pytest.raises(ValueError, match="balance only with a schedule name"):
+        ex.PipelineTrainer(parts, opt, devices=devices, schedule=forward_only, balance="bpipe", microbatches=1)
