@@ -5,6 +5,16 @@ import tensorflow as tf
 from terra import _tf_private
 
 
+def test_private_names_still_exist():
+    from tensorflow.python.eager.polymorphic_function import concrete_function as cf
+    assert hasattr(cf, "_FirstOrderTapeGradientFunctions"), "TF moved the tape forward/backward builder"
+    for name in ("_func_graph", "_attrs", "_garbage_collector", "_delayed_rewrite_functions"):
+        assert name in cf.ConcreteFunction.__init__.__code__.co_names or hasattr(cf.ConcreteFunction, name), name
+    functions = cf._FirstOrderTapeGradientFunctions
+    for name in ("forward", "_forward_and_backward_functions"):
+        assert hasattr(functions, name), f"_FirstOrderTapeGradientFunctions.{name} is gone"
+
+
 def test_forward_backward_pair_splits_a_function_and_matches_the_tape():
     w = tf.Variable([[0.5, -1.0], [2.0, 0.25]])
     x = tf.constant([[1.0, 2.0], [3.0, -1.0]])

@@ -22,7 +22,10 @@ _split_cpu()
 
 def logical_cpus(n):
     names = [d.name for d in tf.config.list_logical_devices("CPU")]
-    assert len(names) >= n, f"need {n} logical CPUs, have {names}"
+    assert len(names) >= n, (
+        f"need {n} logical CPUs, have {names}: TF initialized its devices before "
+        f"tests/pipeline/_model.py could split the CPU (a module collected earlier created a tensor "
+        f"at import); call _split_cpu() from the suite's root conftest.py")
     return names[:n]
 
 
