@@ -18,8 +18,8 @@ def main():
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--microbatch-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=1e-2)
     args = parser.parse_args()
 
     gpus = tf.config.list_physical_devices("GPU")
