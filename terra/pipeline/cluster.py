@@ -84,7 +84,7 @@ class LocalCluster:
                     [sys.executable, "-m", "terra.pipeline.cluster", "worker",
                      "--spec", json.dumps(self.spec), "--task", str(i)],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                    text=True, env=env, start_new_session=True))
+                    text=True, env=env))  # same process group: run_isolated's kill reaches them
             for i in range(self.num_workers):
                 self._ask(i, "ping")
             import tensorflow as tf
@@ -124,10 +124,7 @@ class LocalCluster:
     def close(self):
         for proc in self.procs:
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                proc.kill()
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)
@@ -161,6 +158,8 @@ def worker_main(spec: dict, task: int):
         else:
             answer = {"error": f"unknown command {command!r}"}
         print(json.dumps(answer), flush=True)
+    # stdin closed or quit: the client is gone; leave at once (server threads never join).
+    os._exit(0)
 
 
 def run_isolated(args, timeout: float = 180.0) -> dict:

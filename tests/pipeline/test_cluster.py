@@ -1,6 +1,9 @@
 """Cluster mode: 1F1B and BPipe on 4 local TF server workers (own processes, loopback-only netns)."""
+import os
 import shutil
+import time
 import subprocess
+import threading
 
 import pytest
 
@@ -50,3 +53,41 @@ def test_local_cluster_refuses_a_shared_network_namespace():
 def test_local_cluster_rejects_bad_worker_count():
     with pytest.raises(ValueError, match="num_workers"):
         cluster.LocalCluster(0)
+
+
+def _cluster_processes():
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if b"terra.pipeline.cluster worker --spec" in cmd:
+                found.append(int(pid))
+    return found
+
+
+@needs_netns
+def test_a_run_past_its_time_limit_leaves_no_worker_behind():
+    before = set(_cluster_processes())
+    seen, stop = set(), threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen.update(set(_cluster_processes()) - before)
+            time.sleep(0.1)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with pytest.raises(TimeoutError, match="exceeded 14"):   # workers are up after ~8 s
+            cluster.run_isolated(["demo", "--workers", "2"], timeout=14)
+    finally:
+        stop.set()
+        watcher.join()
+    assert len(seen) == 2, "the workers should have been running when the limit hit"
+    deadline = time.monotonic() + 10
+    while set(_cluster_processes()) - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not set(_cluster_processes()) - before
