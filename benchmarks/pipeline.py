@@ -1,0 +1,159 @@
+"""Pipeline schedules with and without BPipe, side by side: iteration time (median of repeats and
+spread), per-stage peak bytes (ledger; allocator from per-process cluster workers) and BPipe's
+transfer overhead. Writes benchmarks/results/pipeline.{json,md} and pipeline_memory.png.
+
+    python benchmarks/pipeline.py [--stages 4] [--repeats 7] [--no-cluster]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "kfkb", "chimera"]
+
+
+def time_schedules(p, m, repeats, seq, d_model, mb_size):
+    import keras
+    from terra.pipeline import stage
+    from terra.pipeline.executor import PipelineTrainer
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * p)
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 64, (m * mb_size, seq)).astype("int32")
+    y = rng.integers(0, 64, (m * mb_size, seq)).astype("int32")
+    rows = []
+    runs = [(name, balance, True) for name in SCHEDULES for balance in (None, "bpipe")]
+    runs.insert(4, ("1f1b", "bpipe", False))                 # BPipe with synchronous transfers
+    trainers = []
+    for name, balance, overlap in runs:
+        nparts = 2 * p if name == "interleaved" else p
+        parts = stage.tiny_gpt(nparts, seq=seq, d_model=d_model,
+                               devices=[devices[k % p] for k in range(nparts)])
+        reps = stage.tiny_gpt(nparts, seq=seq, d_model=d_model, devices=devices[::-1]) if name == "chimera" else None
+        tr = PipelineTrainer(parts, lambda: keras.optimizers.Adam(1e-3), devices=devices, schedule=name,
+                             balance=balance, microbatches=m, replica_stages=reps, overlap=overlap)
+        tr.step(x, y)  # build + warm up (the optimizer update is compiled on the second step)
+        tr.step(x, y)
+        tr.ledger.reset_peaks()
+        trainers.append(tr)
+    # Round-robin repeats, so load from other processes on the machine hits every run alike.
+    times = [[] for _ in runs]
+    xfer = [[] for _ in runs]
+    for _ in range(repeats):
+        for k, tr in enumerate(trainers):
+            tr.step(x, y)
+            times[k].append(tr.last_step_seconds)
+            xfer[k].append(sum(tr.transfer_seconds))
+    for (name, balance, overlap), tr, ts, xs in zip(runs, trainers, times, xfer):
+        mem = tr.memory_report()
+        moves = sum(1 for _, _, a in tr.schedule.actions() if a.kind.name in ("EVICT", "LOAD"))
+        rows.append({"schedule": name, "balance": (balance or "none") + ("" if overlap else "+sync"),
+                     "median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts),
+                     "transfer_s_median": statistics.median(xs), "transfers": moves,
+                     "ledger_peak_packs": [r["peak_packs"] for r in mem],
+                     "ledger_peak_activation": [r["peak_activation"] for r in mem],
+                     "ledger_peak_total": [r["peak_total"] for r in mem]})
+        tr.close()
+        print(f"{name:12s} {rows[-1]['balance']:11s} median {rows[-1]['median_s'] * 1e3:7.1f} ms "
+              f"packs {rows[-1]['ledger_peak_packs']}", flush=True)
+    return rows
+
+
+def markdown(report):
+    overhead = ""
+    rows = {(r["schedule"], r["balance"]): r for r in report["in_process"]}
+    base, bal, sync = (rows[("1f1b", k)]["median_s"] for k in ("none", "bpipe", "bpipe+sync"))
+    overhead = (f"BPipe overhead on 1F1B (in-process): {100 * (bal / base - 1):+.1f}% with overlapped "
+                f"transfers, {100 * (sync / base - 1):+.1f}% with synchronous transfers.")
+    if report.get("cluster"):
+        c = report["cluster"]["runs"]
+        overhead += (f" Cluster: {100 * (c['1f1b+bpipe']['seconds'] / c['1f1b']['seconds'] - 1):+.1f}% "
+                     f"overlapped, {100 * (c['1f1b+bpipe+sync']['seconds'] / c['1f1b']['seconds'] - 1):+.1f}% synchronous.")
+    lines = [f"# Pipeline schedules, {report['stages']} stages, {report['microbatches']} micro-batches",
+             "", f"Machine: {report['machine']}. Times: median of {report['repeats']} steps "
+             "(min-max), in-process logical CPUs.", "", overhead, "",
+             "| schedule | balance | step ms (min-max) | transfer ms | EVICT+LOAD | ledger peak packs / rank | ledger peak activation KiB / rank |",
+             "|---|---|---|---|---|---|---|"]
+    for r in report["in_process"]:
+        lines.append(f"| {r['schedule']} | {r['balance']} | {r['median_s'] * 1e3:.1f} ({r['min_s'] * 1e3:.1f}-"
+                     f"{r['max_s'] * 1e3:.1f}) | {r['transfer_s_median'] * 1e3:.1f} | {r['transfers']} | "
+                     f"{r['ledger_peak_packs']} | {[round(b / 1024) for b in r['ledger_peak_activation']]} |")
+    if report.get("cluster"):
+        lines += ["", "## Cluster mode (one TF server process per stage, BFC allocator per worker)", "",
+                  "| run | step ms (median) | grad err vs single device | ledger peak packs | allocator peak KiB / worker (above idle) | transfer ms |",
+                  "|---|---|---|---|---|---|"]
+        for name, r in report["cluster"]["runs"].items():
+            above = [round((a - b) / 1024) for a, b in zip(r["allocator_peak"], r["allocator_base"])]
+            lines.append(f"| {name} | {r['seconds'] * 1e3:.0f} | {r['grad_err']:.1e} | {r['ledger_peak_packs']} | "
+                         f"{above} | {sum(r['transfer_seconds']) * 1e3:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = {(r["schedule"], r["balance"]): r for r in report["in_process"]}
+    p = report["stages"]
+    panels = [("1F1B ledger (in-process)", [rows[("1f1b", "none")]["ledger_peak_total"],
+                                            rows[("1f1b", "bpipe")]["ledger_peak_total"]])]
+    if report.get("cluster"):
+        runs = report["cluster"]["runs"]
+        panels.append(("1F1B allocator peak (cluster workers)",
+                       [runs["1f1b"]["allocator_peak"], runs["1f1b+bpipe"]["allocator_peak"]]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5))
+    axes = np.atleast_1d(axes)
+    for ax, (title, (base, bal)) in zip(axes, panels):
+        idx = np.arange(p)
+        ax.bar(idx - 0.2, np.array(base) / 2**20, 0.4, label="w/o activation balancing")
+        ax.bar(idx + 0.2, np.array(bal) / 2**20, 0.4, label="BPipe")
+        ax.set_xlabel("pipeline stage")
+        ax.set_ylabel("peak memory (MiB)")
+        ax.set_title(title)
+        ax.set_xticks(idx)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--d-model", type=int, default=32)
+    parser.add_argument("--mb-size", type=int, default=4)
+    parser.add_argument("--no-cluster", action="store_true")
+    args = parser.parse_args()
+    report = {"stages": args.stages, "microbatches": args.microbatches, "repeats": args.repeats,
+              "machine": f"{os.cpu_count()} CPU cores, TF {tf.__version__}",
+              "model": {"seq": args.seq, "d_model": args.d_model, "microbatch_size": args.mb_size}}
+    if not args.no_cluster:
+        from terra.pipeline import cluster
+        report["cluster"] = cluster.run_isolated(
+            ["demo", "--workers", str(args.stages), "--microbatches", str(args.microbatches),
+             "--schedules", "1f1b,1f1b+bpipe,1f1b+bpipe+sync,gpipe", "--repeats", str(args.repeats),
+             "--seq", str(args.seq), "--d-model", str(args.d_model), "--mb-size", str(args.mb_size)], timeout=400)
+    report["in_process"] = time_schedules(args.stages, args.microbatches, args.repeats, args.seq,
+                                          args.d_model, args.mb_size)
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "pipeline.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    with open(os.path.join(RESULTS, "pipeline.md"), "w") as f:
+        f.write(markdown(report))
+    plot(report, os.path.join(RESULTS, "pipeline_memory.png"))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()

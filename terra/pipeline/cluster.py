@@ -1,0 +1,267 @@
+"""Cluster mode: one `tf.distribute.Server` worker process per stage, one client driving them.
+
+Each worker is its own process with the BFC allocator on CPU (``TF_CPU_ALLOCATOR_USE_BFC=true``),
+so its allocator peak is that stage's real memory; the client asks for it over the worker's stdin
+(``mem`` / ``reset`` / ``quit``) and the worker answers one JSON line. The client connects with
+`tf.config.experimental_connect_to_cluster` and places stage ``r`` on
+``/job:worker/replica:0/task:r/device:CPU:0``; the `PipelineTrainer` is unchanged.
+
+TensorFlow's gRPC server listens on every interface (``*:port``) whatever address the cluster spec
+names. `LocalCluster` therefore refuses to start unless the process is in a network namespace
+whose only interface is loopback; `run_isolated` provides one (``unshare -rn``, loopback brought
+up, nothing else reachable). On a real multi-host cluster, skip `LocalCluster`: start one worker
+per host with ``python -m terra.pipeline.cluster worker --spec '<json>' --task i`` (firewalled as
+your site requires) and give the client the same spec (see docs/pipeline_executor.md).
+
+Usage: ``python -m terra.pipeline.cluster demo --workers 4`` runs 1F1B and BPipe on 4 local
+workers (inside ``unshare -rn``) and prints a JSON report (gradient errors vs single device,
+ledger and allocator peaks per worker).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional
+
+WORKER_DEVICE = "/job:worker/replica:0/task:{}/device:CPU:0"
+
+
+def loopback_only() -> bool:
+    """True if the only network interface of this namespace is loopback (/proc/net/dev follows
+    the namespace; /sys/class/net may still show the host's)."""
+    try:
+        with open("/proc/net/dev") as f:
+            names = [line.split(":", 1)[0].strip() for line in f.readlines()[2:]]
+    except OSError:
+        return False
+    return names == ["lo"]
+
+
+def _free_ports(n):
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+class LocalCluster:
+    """``num_workers`` worker processes on 127.0.0.1 (context manager; always kills them)."""
+
+    def __init__(self, num_workers: int, timeout: float = 60.0, bfc: bool = True):
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
+        if not loopback_only():
+            raise RuntimeError("TF servers listen on all interfaces; start LocalCluster inside a "
+                               "loopback-only network namespace (terra.pipeline.cluster.run_isolated "
+                               "or `unshare -rn`)")
+        self.num_workers, self.timeout, self.bfc = num_workers, timeout, bfc
+        self.spec = {"worker": [f"127.0.0.1:{p}" for p in _free_ports(num_workers)]}
+        self.procs = []
+
+    @property
+    def devices(self):
+        return [WORKER_DEVICE.format(i) for i in range(self.num_workers)]
+
+    def __enter__(self):
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+        if self.bfc:
+            env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+        try:
+            for i in range(self.num_workers):
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "terra.pipeline.cluster", "worker",
+                     "--spec", json.dumps(self.spec), "--task", str(i)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                    text=True, env=env))  # same process group: run_isolated's kill reaches them
+            for i in range(self.num_workers):
+                self._ask(i, "ping")
+            import tensorflow as tf
+            resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+                tf.train.ClusterSpec(self.spec), rpc_layer="grpc")
+            tf.config.experimental_connect_to_cluster(resolver, make_master_device_default=False)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _ask(self, task, command):
+        proc = self.procs[task]
+        proc.stdin.write(command + "\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + self.timeout
+        import select
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+            if ready:
+                line = proc.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"worker {task} exited (code {proc.poll()})")
+                return json.loads(line)
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker {task} exited (code {proc.returncode})")
+        raise TimeoutError(f"worker {task} did not answer {command!r} within {self.timeout} s")
+
+    def allocator(self, task) -> Optional[dict]:
+        """``{'current', 'peak'}`` bytes of worker ``task``'s CPU allocator."""
+        return self._ask(task, "mem")
+
+    def reset_peaks(self):
+        for i in range(self.num_workers):
+            self._ask(i, "reset")
+
+    def close(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.procs = []
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def worker_main(spec: dict, task: int):
+    """Run one worker: a TF server plus a tiny stdin/stdout control loop for allocator stats."""
+    import tensorflow as tf
+    server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name="worker", task_index=task,
+                                  protocol="grpc", start=True)
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "ping":
+            answer = {"ok": True, "target": server.target}
+        elif command == "mem":
+            try:
+                answer = dict(tf.config.experimental.get_memory_info("CPU:0"))
+            except (ValueError, RuntimeError) as e:
+                answer = {"error": str(e)}
+        elif command == "reset":
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            answer = {"ok": True}
+        elif command == "quit":
+            break
+        else:
+            answer = {"error": f"unknown command {command!r}"}
+        print(json.dumps(answer), flush=True)
+    # stdin closed or quit: the client is gone; leave at once (server threads never join).
+    os._exit(0)
+
+
+def run_isolated(args, timeout: float = 180.0) -> dict:
+    """Run ``python -m terra.pipeline.cluster <args>`` inside ``unshare -rn`` (loopback only) and
+    return the JSON it prints last. The whole process group is killed on timeout or error."""
+    cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "terra.pipeline.cluster", *args])
+    proc = subprocess.Popen(["unshare", "-rn", "sh", "-c", f"ip link set lo up && exec {cmd}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise TimeoutError(f"cluster run exceeded {timeout} s; stderr tail:\n{err[-2000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = [l for l in out.splitlines() if l.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"cluster run failed (code {proc.returncode}); stderr tail:\n{err[-3000:]}")
+    return json.loads(lines[-1])
+
+
+# ------------------------------------------------------------------------------------ demo
+def demo(workers: int, microbatches: int, seq: int, d_model: int, mb_size: int, schedules,
+         repeats: int = 1):
+    """1F1B and BPipe (and any other ``schedules``) on local workers; gradients vs single device."""
+    import numpy as np
+    import keras
+    import tensorflow as tf
+    from terra.pipeline import executor, stage as st
+
+    report = {"workers": workers, "runs": {}}
+    with LocalCluster(workers) as cluster:
+        devices = cluster.devices
+        parts = st.tiny_gpt(workers, d_model=d_model, seq=seq, devices=devices)
+        rng = np.random.default_rng(0)
+        b = microbatches * mb_size
+        x = rng.integers(0, 64, (b, seq)).astype("int32")
+        y = rng.integers(0, 64, (b, seq)).astype("int32")
+        variables = [v for part in parts for v in st.trainable_variables(part)]
+        with tf.GradientTape() as tape:
+            h = x
+            for part in parts[:-1]:
+                h = st.sequential(part)(h)
+            ref_loss = st.lm_loss(y, st.sequential(parts[-1])(h))
+        ref = [g.numpy() for g in tape.gradient(ref_loss, variables)]
+        for name in schedules:
+            sched, *flags = name.split("+")            # e.g. "1f1b+bpipe+sync"
+            trainer = executor.PipelineTrainer(parts, lambda: keras.optimizers.Adam(1e-3),
+                                               devices=devices, schedule=sched,
+                                               balance="bpipe" if "bpipe" in flags else None,
+                                               microbatches=microbatches, overlap="sync" not in flags)
+            trainer.step(x, y, apply=False)              # build and warm up
+            times = []
+            for _ in range(repeats):
+                trainer.ledger.reset_peaks()
+                cluster.reset_peaks()
+                base = [cluster.allocator(i)["current"] for i in range(workers)]
+                start = time.perf_counter()
+                loss = trainer.step(x, y, apply=False)
+                times.append(time.perf_counter() - start)
+            seconds = sorted(times)[len(times) // 2]
+            grads = [g.numpy() for part in trainer.last_gradients for g in part]
+            err = max(float(np.max(np.abs(a - r))) for a, r in zip(grads, ref))
+            mem = trainer.memory_report(allocator=cluster.allocator)
+            report["runs"][name] = {
+                "loss": loss, "ref_loss": float(ref_loss), "grad_err": err, "seconds": seconds,
+                "seconds_min": min(times), "seconds_max": max(times),
+                "pack_bytes": trainer.pack_bytes,
+                "transfer_seconds": trainer.transfer_seconds,
+                "ledger_peak_packs": [r["peak_packs"] for r in mem],
+                "ledger_peak_activation": [r["peak_activation"] for r in mem],
+                "allocator_peak": [r["allocator"]["peak"] for r in mem],
+                "allocator_base": base}
+            trainer.close()
+    return report
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m terra.pipeline.cluster")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("worker")
+    w.add_argument("--spec", required=True)
+    w.add_argument("--task", type=int, required=True)
+    d = sub.add_parser("demo")
+    d.add_argument("--workers", type=int, default=4)
+    d.add_argument("--microbatches", type=int, default=8)
+    d.add_argument("--seq", type=int, default=32)
+    d.add_argument("--d-model", type=int, default=32)
+    d.add_argument("--mb-size", type=int, default=4)
+    d.add_argument("--schedules", default="1f1b,1f1b+bpipe",
+                   help="comma-separated runs: schedule[+bpipe][+sync] (sync: no transfer overlap)")
+    d.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args(argv)
+    if args.cmd == "worker":
+        worker_main(json.loads(args.spec), args.task)
+    else:
+        print(json.dumps(demo(args.workers, args.microbatches, args.seq, args.d_model,
+                              args.mb_size, args.schedules.split(","), args.repeats)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,416 @@
+"""Run a pipeline `Schedule` on TensorFlow devices: `PipelineTrainer`.
+
+One Python thread per rank walks that rank's steps of the schedule. Each action is dispatched
+through `HANDLERS` (kind -> handler). F and B call the stage's compiled forward/backward pair on
+the stage device; stage outputs and input gradients travel through a `Mailbox`, so a rank waits
+exactly for its data dependencies (the grid's time steps only fix each rank's order). EVICT and
+LOAD run on a per-rank transfer thread, overlapping the compute of the same step; a rank finishes a
+step only when that step's transfers are done (the schedule's semantics: an EVICT frees the pack at
+the end of its step, a LOAD makes it available from the next step). SEND/RECV actions, if a
+schedule carries them, are no-ops: the mailbox already moves the data when it is consumed.
+
+Gradients are accumulated per stage over micro-batches (the last stage seeds its backward with
+``1/m``, so the result is the gradient of the mean loss over the whole batch), replicas of one
+model part (Chimera) are summed, and each part is updated by its own optimizer on its device.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional, Sequence
+
+import tensorflow as tf
+
+from terra.pipeline import memory as memory_lib
+from terra.pipeline import transport
+from terra.pipeline.actions import B, EVICT, F, LOAD, RECV, SEND
+from terra.pipeline.stage import StageProgram, lm_loss, sequential, trainable_variables
+
+
+# ---------------------------------------------------------------------------------- schedules
+def _schedules():
+    from terra.pipeline import schedules as s
+    table = {"gpipe": lambda p, m, o: s.gpipe(p, m),
+             "1f1b": lambda p, m, o: s.one_f_one_b(p, m)}
+    if hasattr(s, "interleaved_1f1b"):
+        table["interleaved"] = lambda p, m, o: s.interleaved_1f1b(p, m, o.get("v", 2))
+    if hasattr(s, "kfkb"):
+        table["kfkb"] = lambda p, m, o: s.kfkb(p, m, o.get("k", 2))
+    if hasattr(s, "chimera"):
+        table["chimera"] = lambda p, m, o: s.chimera(p, m)
+    return table
+
+
+def make_schedule(name: str, p: int, m: int, balance: Optional[str] = None, **options):
+    """Schedule ``name`` for ``p`` ranks and ``m`` micro-batches, with BPipe transfers when
+    ``balance == "bpipe"``. ``options``: ``v`` (interleaved chunks), ``k`` (kFkB group)."""
+    table = _schedules()
+    if name not in table:
+        raise ValueError(f"unknown schedule {name!r}; expected one of {sorted(table)}")
+    schedule = table[name](p, m, options)
+    if balance is None:
+        return schedule
+    if balance != "bpipe":
+        raise ValueError(f"balance must be None or 'bpipe', got {balance!r}")
+    from terra import pipeline
+    add_evict_load = getattr(pipeline, "add_evict_load", None)
+    if add_evict_load is None:
+        from terra.pipeline.passes import add_evict_load
+    return add_evict_load(schedule)
+
+
+# ----------------------------------------------------------------------------------- trainer
+class _Part:
+    """One model part on one device: its stage programs are built lazily per micro-batch shape."""
+
+    def __init__(self, callables, device, is_last, loss_fn):
+        self.callables = list(callables) if isinstance(callables, (list, tuple)) else [callables]
+        self.device = device
+        self.is_last = is_last
+        self.variables = trainable_variables(self.callables)
+        fn = sequential(self.callables)
+        self.fn = (lambda x, labels: loss_fn(labels, fn(x))) if is_last else fn
+        self.program: Optional[StageProgram] = None
+        self.optimizer = None
+        self.apply = None
+
+
+def _compiled_apply(optimizer, variables):
+    """The optimizer update, eager on the first call and compiled from the second on: tracing
+    Keras Adam costs about half a second per part, which a one-step run should not pay."""
+    def apply(grads):
+        optimizer.apply_gradients(zip(grads, variables))
+    compiled = tf.function(apply, autograph=False)
+    calls = [0]
+
+    def call(grads):
+        calls[0] += 1
+        return (apply if calls[0] == 1 else compiled)(grads)
+    return call
+
+
+class PipelineTrainer:
+    """Train a model cut into stages with a pipeline schedule on TF devices.
+
+    ``stages``: one entry per model part (a callable, or a list of callables applied in order,
+    each exposing ``trainable_variables``), their variables already on the part's device; the
+    last part returns logits and ``loss_fn(labels, logits)`` turns them into a scalar mean loss.
+    ``devices[r]`` is rank r's device; plain schedules run part r on rank r, ``interleaved`` with
+    ``v`` chunks needs ``len(stages) == v * len(devices)``. Chimera needs ``replica_stages``: a
+    second copy of the parts (same initial values) for the upward pipeline; part ``i``'s replica
+    runs on rank ``p - 1 - i``.
+
+    Data parallel x pipeline: ``devices[r]`` may be a list of ``R`` devices (the same ``R`` for
+    every rank) and ``data_parallel_stages`` ``R - 1`` further copies of the parts (copy ``j``'s
+    part on ``devices[rank][j + 1]``). Each micro-batch is split into ``R`` shards, one per copy;
+    per rank a ``tf.distribute.MirroredStrategy`` over its ``R`` devices with
+    ``ReductionToOneDevice`` sums the copies' gradients, and every copy applies the same update.
+    """
+
+    def __init__(self, stages: Sequence, optimizer_factory: Callable, *, devices: Sequence[str],
+                 schedule="1f1b", balance: Optional[str] = None, microbatches: int = 4,
+                 loss_fn: Callable = lm_loss, replica_stages: Optional[Sequence] = None,
+                 data_parallel_stages: Sequence = (), timeout: float = 120.0, overlap: bool = True,
+                 **schedule_options):
+        if not callable(optimizer_factory):
+            raise TypeError(f"optimizer_factory must be callable, got {optimizer_factory!r}")
+        self.rank_devices = [list(d) if isinstance(d, (list, tuple)) else [d] for d in devices]
+        self.dp = len(self.rank_devices[0]) if self.rank_devices else 1
+        if any(len(d) != self.dp for d in self.rank_devices):
+            raise ValueError(f"every rank needs the same number of data-parallel devices, got {devices!r}")
+        if len(data_parallel_stages) != self.dp - 1:
+            raise ValueError(f"{self.dp} data-parallel devices per rank need {self.dp - 1} more copies "
+                             f"of the parts in data_parallel_stages, got {len(data_parallel_stages)}")
+        self.devices = [d[0] for d in self.rank_devices]
+        p = len(self.devices)
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+        self.m = microbatches
+        if isinstance(schedule, str):
+            self.schedule = make_schedule(schedule, p, microbatches, balance, **schedule_options)
+        else:
+            self.schedule = schedule
+            if balance is not None:
+                raise ValueError("pass balance only with a schedule name (the given schedule is used as is)")
+        sch = self.schedule
+        if sch.p != p or sch.m != microbatches:
+            raise ValueError(f"schedule is for p={sch.p}, m={sch.m}; trainer has {p} devices and "
+                             f"{microbatches} micro-batches")
+        if len(stages) != sch.pipe_depth:
+            raise ValueError(f"schedule {sch.name!r} needs {sch.pipe_depth} model parts, got {len(stages)}")
+        replicas = sch.num_stages // sch.pipe_depth
+        copies = [list(stages)]
+        if replicas == 2:
+            if replica_stages is None or len(replica_stages) != len(stages):
+                raise ValueError(f"schedule {sch.name!r} runs two pipelines: pass replica_stages "
+                                 f"with {len(stages)} parts")
+            copies.append(list(replica_stages))
+        self.loss_fn = loss_fn
+        self.timeout = timeout
+        self.overlap = overlap
+        d = sch.pipe_depth
+        # Global stage g runs part g % d of pipeline replica g // d on rank stage_ranks[g];
+        # replicas[g][j] is its data-parallel copy j.
+        dp_copies = [None] + [list(c) for c in data_parallel_stages]
+        for j, c in enumerate(dp_copies[1:], 1):
+            if len(c) != len(stages):
+                raise ValueError(f"data_parallel_stages[{j - 1}] has {len(c)} parts, expected {len(stages)}")
+        self.replicas = []
+        for g in range(sch.num_stages):
+            row = []
+            for j in range(self.dp):
+                src = copies[g // d] if j == 0 else dp_copies[j]
+                if j > 0 and g >= d:
+                    raise ValueError("data parallel x Chimera is not supported")
+                row.append(_Part(src[g % d], self.rank_devices[sch.stage_ranks[g]][j], g % d == d - 1, loss_fn))
+            self.replicas.append(row)
+        self.parts = [row[0] for row in self.replicas]
+        for g, row in enumerate(self.replicas):  # every copy starts from the primary's values
+            for j, part in enumerate(row):
+                if g >= d or j > 0:
+                    for a, b in zip(part.variables, self.parts[g % d].variables):
+                        a.assign(b)
+        self.strategies = None
+        if self.dp > 1:
+            self.strategies = [tf.distribute.MirroredStrategy(
+                devs, cross_device_ops=tf.distribute.ReductionToOneDevice(reduce_to_device=devs[0]))
+                for devs in self.rank_devices]
+        self.optimizer_factory = optimizer_factory
+        self.ledger = memory_lib.Ledger(p)
+        self._transfer_pools = [ThreadPoolExecutor(1, thread_name_prefix=f"pipe-xfer{r}") for r in range(p)]
+        self._built_for = None
+        self.last_step_seconds = None
+        self.transfer_seconds = [0.0] * p
+
+    # ------------------------------------------------------------------------------- build
+    def _build(self, x_spec, y_spec):
+        sch = self.schedule
+        spec = x_spec
+        for g, row in enumerate(self.replicas):
+            if g % sch.pipe_depth == 0:
+                spec = x_spec
+            for part in row:
+                part.program = StageProgram(part.fn, part.variables, spec,
+                                            y_spec if part.is_last else None, part.device)
+                if part.optimizer is None:
+                    with tf.device(part.device):
+                        part.optimizer = self.optimizer_factory()
+                        part.optimizer.build(part.variables)
+                    part.apply = _compiled_apply(part.optimizer, part.variables)
+            spec = row[0].program.output_spec
+        self._accumulate = tf.function(lambda acc, g: [a + b for a, b in zip(acc, g)], autograph=False)
+        for r in range(sch.p):
+            stages = [part for g in sch.stages_of(r) for part in self.replicas[g]]
+            vs = [v for part in stages for v in part.variables]
+            opt_vars = [v for part in stages for v in part.optimizer.variables]
+            self.ledger.set_static(r, weights=memory_lib.variable_bytes(vs),
+                                   optimizer=memory_lib.variable_bytes(opt_vars),
+                                   grads=memory_lib.variable_bytes(vs))
+        self._built_for = (x_spec, y_spec)
+
+    @property
+    def pack_bytes(self) -> list[int]:
+        """Bytes one micro-batch's pack occupies (moved bases), per global stage."""
+        if self._built_for is None:
+            raise RuntimeError("pack sizes are known after the first step")
+        return [sum(part.program.plan.moved_bytes for part in row) for row in self.replicas]
+
+    # -------------------------------------------------------------------------------- step
+    def step(self, x, y, apply: bool = True) -> float:
+        """One training step on batch (x, y): returns the mean loss over the batch. The summed
+        per-part gradients stay in ``last_gradients``; ``apply=False`` skips the update."""
+        x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
+        if x.shape[0] is None or x.shape[0] % (self.m * self.dp):
+            raise ValueError(f"batch size {x.shape[0]} must be a multiple of microbatches={self.m}"
+                             + (f" x data-parallel copies={self.dp}" if self.dp > 1 else ""))
+        xs, ys = tf.split(x, self.m * self.dp), tf.split(y, self.m * self.dp)
+        specs = (tf.TensorSpec(xs[0].shape, xs[0].dtype), tf.TensorSpec(ys[0].shape, ys[0].dtype))
+        if self._built_for != specs:
+            self._build(*specs)
+        sch = self.schedule
+        state = _StepState(self, transport.Mailbox(self.timeout))
+        first = {a.microbatch: a.stage for r in range(sch.p) for a in sch.compute_order(r)
+                 if a.kind is F and sch.prev_stage(a.stage) is None}
+        for i in range(self.m):
+            for j in range(self.dp):
+                state.mailbox.put(("x", first[i], i, j), xs[i * self.dp + j])
+                state.labels[i, j] = ys[i * self.dp + j]
+        start = time.perf_counter()
+        threads = [threading.Thread(target=state.run_rank, args=(r,), name=f"pipe-rank{r}", daemon=True)
+                   for r in range(sch.p)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if state.errors:
+            raise state.errors[0]
+        leftovers = state.mailbox.pending()
+        if leftovers or state.packs or state.evicted:
+            raise RuntimeError(f"schedule left work undone: mail {leftovers}, packs "
+                               f"{sorted(state.packs)}, evicted {sorted(state.evicted)}")
+        self.last_gradients = self._reduce(state)
+        if apply:
+            for g, row in enumerate(self.replicas):
+                for part in row:
+                    with tf.device(part.device):
+                        part.apply(self.last_gradients[g % sch.pipe_depth])
+        # Fetching the loss waits for (possibly asynchronous, remote) execution to finish.
+        loss = float(tf.add_n([tf.identity(l) for l in state.losses.values()]) / (self.m * self.dp))
+        self.last_step_seconds = time.perf_counter() - start
+        self.transfer_seconds = state.transfer_seconds
+        return loss
+
+    def _reduce(self, state) -> list:
+        """Per model part: the gradient summed over micro-batches, pipeline replicas (Chimera)
+        and data-parallel copies (a MirroredStrategy all-reduce per rank)."""
+        d = self.schedule.pipe_depth
+        grads = {}
+        for g, j in sorted(state.grads):
+            part, acc = g % d, state.grads[g, j]
+            if j > 0:
+                continue
+            if part in grads:
+                with tf.device(self.parts[part].device):
+                    acc = [a + b for a, b in zip(grads[part], acc)]
+            grads[part] = acc
+        if self.dp == 1:
+            return [grads[k] for k in range(d)]
+        out = []
+        for k in range(d):  # no Chimera with data parallelism: stage k is part k
+            strategy = self.strategies[self.schedule.stage_ranks[k]]
+            per_copy = [state.grads[k, j] for j in range(self.dp)]
+            values = [strategy.experimental_distribute_values_from_function(
+                lambda ctx, i=i: per_copy[ctx.replica_id_in_sync_group][i]) for i in range(len(per_copy[0]))]
+            out.append(list(strategy.extended.batch_reduce_to(
+                tf.distribute.ReduceOp.SUM, [(v, self.parts[k].device) for v in values])))
+        return out
+
+    # ----------------------------------------------------------------------------- reports
+    def memory_report(self, allocator: Optional[Callable] = None) -> list[dict]:
+        """Per rank: the live ledger (bytes now, peaks since creation or `ledger.reset_peaks()`;
+        ``peak_packs`` counts held + accepted micro-batch packs) and, where readable, the allocator's
+        ``{'current', 'peak'}`` for the rank's device (``allocator(rank)`` overrides the reader,
+        e.g. a cluster's per-worker reader)."""
+        out = []
+        for r, entry in enumerate(self.ledger.report()):
+            entry = dict(entry, rank=r, device=self.devices[r], devices=self.rank_devices[r],
+                         allocator=(allocator(r) if allocator else memory_lib.allocator_info(self.devices[r])))
+            out.append(entry)
+        return out
+
+    def close(self):
+        for pool in self._transfer_pools:
+            pool.shutdown(wait=True)
+
+
+class _StepState:
+    """Everything one step's ranks share: mailbox, packs, evicted bases, accumulators, losses."""
+
+    def __init__(self, trainer: PipelineTrainer, mailbox):
+        self.t = trainer
+        self.mailbox = mailbox
+        self.packs = {}
+        self.evicted = {}
+        self.grads = {}
+        self.losses = {}
+        self.labels = {}
+        self.errors = []
+        self.lock = threading.Lock()
+        self.transfer_seconds = [0.0] * trainer.schedule.p
+
+    def run_rank(self, rank: int):
+        sch = self.t.schedule
+        pack_bytes = self.t.pack_bytes
+        try:
+            for step in range(sch.steps):
+                action = sch.compute[rank][step]
+                transfers = sch.transfers[rank][step]
+                start, end = memory_lib.step_deltas(rank, action, transfers, sch.stage_ranks, pack_bytes)
+                self.t.ledger.apply(start)
+                before = [a for a in transfers if a.kind is not EVICT or (a.stage, a.microbatch) in self.packs]
+                after = [a for a in transfers if a not in before]
+                futures = [self._submit(rank, a) for a in before]
+                if not self.t.overlap:
+                    for fut in futures:
+                        fut.result()
+                if action is not None:
+                    HANDLERS[action.kind](self, rank, action)
+                futures += [self._submit(rank, a) for a in after]
+                for fut in futures:
+                    fut.result()
+                self.t.ledger.apply(end)
+        except BaseException as e:  # noqa: BLE001 - re-raised by step()
+            with self.lock:
+                self.errors.append(e if not isinstance(e, transport.PipelineAborted) or not self.errors
+                                   else self.errors[0])
+            self.mailbox.abort(f"rank {rank} failed: {e!r}")
+
+    def _submit(self, rank, action):
+        def timed():
+            start = time.perf_counter()
+            HANDLERS[action.kind](self, rank, action)
+            self.transfer_seconds[rank] += time.perf_counter() - start
+        return self.t._transfer_pools[rank].submit(timed)
+
+    # ------------------------------------------------------------------------------ handlers
+    # Each handler does its action for every data-parallel copy j of the stage.
+    def forward(self, rank, a):
+        key = (a.stage, a.microbatch)
+        packs = []
+        for j, part in enumerate(self.t.replicas[a.stage]):
+            x = self.mailbox.get(("x", a.stage, a.microbatch, j))
+            if part.is_last:
+                out, pack = part.program.forward(x, self.labels[a.microbatch, j])
+                self.losses[a.microbatch, j] = out
+            else:
+                out, pack = part.program.forward(x)
+                self.mailbox.put(("x", a.stage + 1, a.microbatch, j), out)
+            packs.append(pack)
+        with self.lock:
+            self.packs[key] = packs
+
+    def backward(self, rank, a):
+        sch = self.t.schedule
+        with self.lock:
+            packs = self.packs.pop((a.stage, a.microbatch), None)
+        if packs is None:
+            raise RuntimeError(f"{a}: no saved activations for stage {a.stage} micro-batch {a.microbatch}")
+        for j, (part, pack) in enumerate(zip(self.t.replicas[a.stage], packs)):
+            if part.is_last:
+                with tf.device(part.device):
+                    grad = tf.constant(1.0 / (self.t.m * self.t.dp), part.program.output_spec.dtype)
+            else:
+                grad = self.mailbox.get(("g", a.stage, a.microbatch, j))
+            if not pack.resident:
+                raise RuntimeError(f"{a}: activations were evicted and not loaded before the backward")
+            gx, gvars = part.program.backward(pack, grad)
+            if sch.prev_stage(a.stage) is not None:
+                self.mailbox.put(("g", a.stage - 1, a.microbatch, j), gx)
+            acc = self.grads.get((a.stage, j))
+            with tf.device(part.device):
+                self.grads[a.stage, j] = gvars if acc is None else self.t._accumulate(acc, gvars)
+
+    def evict(self, rank, a):
+        with self.lock:
+            packs = self.packs[(a.stage, a.microbatch)]
+        # pack.split drops the pack's references; once the (waited) move returns, the bases die
+        # with this frame, so the evictor's copy is freed before its next action runs.
+        self.evicted[(a.stage, a.microbatch)] = [
+            transport.move(pack.split(part.program.plan), self.t.rank_devices[a.peer][j])
+            for j, (part, pack) in enumerate(zip(self.t.replicas[a.stage], packs))]
+
+    def load(self, rank, a):
+        moved = self.evicted.pop((a.stage, a.microbatch))
+        with self.lock:
+            packs = self.packs[(a.stage, a.microbatch)]
+        for part, pack, bases in zip(self.t.replicas[a.stage], packs, moved):
+            pack.restore(part.program.plan, transport.move(bases, part.device))
+
+    def noop(self, rank, a):
+        """SEND/RECV: the mailbox moves stage outputs and gradients when they are consumed."""
+
+
+#: Action kind -> handler(state, rank, action).
+HANDLERS = {F: _StepState.forward, B: _StepState.backward, EVICT: _StepState.evict,
+            LOAD: _StepState.load, SEND: _StepState.noop, RECV: _StepState.noop}

@@ -1,0 +1,14 @@
+"""Suite-wide set-up that must happen before TensorFlow initializes its devices."""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402
+
+# The pipeline tests place stages on logical CPUs; TF can split the CPU only before the first op
+# runs, and any test module may run one at import time, so split it here, first.
+_cpu = tf.config.list_physical_devices("CPU")[0]
+try:
+    tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 8)
+except RuntimeError:  # devices already initialized (e.g. a plugin imported TF and ran an op)
+    pass

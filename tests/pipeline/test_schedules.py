@@ -1,0 +1,222 @@
+"""Schedule generators: structure, dependencies, deadlock freedom and memory profiles.
+
+The checks here are written independently of `terra.pipeline.validate` (which is exercised
+in test_validate.py) so that a bug shared by a generator and the validator still shows up."""
+import itertools
+
+import pytest
+
+from terra.pipeline import B, F, Action, Schedule
+from terra.pipeline.passes import live_counts
+from terra.pipeline.schedules import chimera, from_orders, gpipe, interleaved_1f1b, kfkb, one_f_one_b
+from terra.pipeline.validate import problems
+
+PS = range(2, 17)
+
+
+def m_values(p):
+    return sorted({p, p + 1, 2 * p + 1, 3 * p, 4 * p})
+
+
+def multiples(p):
+    return [p, 2 * p, 4 * p] if p <= 6 else [p, 2 * p]
+
+
+# A sample of p in 2..16, m in p..4p (every case runs in test_exhaustive_sweep, marked slow).
+PLAIN_CASES = [(p, m) for p in PS for m in m_values(p)]
+INTERLEAVED_CASES = [(p, m, v) for p in PS for m in multiples(p) for v in (2, 3)]
+KFKB_CASES = sorted({(p, m, k) for p in PS for m in (2 * p, 3 * p + 3)
+                     for k in (2, 3, m // 2, m) if m % k == 0})
+CHIMERA_CASES = [(p, m) for p in range(2, 17, 2) for m in multiples(p)]
+
+
+def check_invariants(s: Schedule):
+    """Coverage, per-stage F-before-B, stage dependencies, and deadlock-free replay."""
+    where = {}
+    for r in range(s.p):
+        for t, a in enumerate(s.compute[r]):
+            if a is None:
+                continue
+            assert a.kind in (F, B), a
+            assert a not in where, f"{a} appears twice"
+            assert s.stage_ranks[a.stage] == r, f"{a} on rank {r}"
+            where[a] = t
+    depth = s.pipe_depth
+    for mb in range(s.m):
+        pipes = {a.stage // depth for a in where if a.microbatch == mb}
+        assert len(pipes) == 1, f"micro-batch {mb} in pipelines {pipes}"
+        (pipe,) = pipes
+        for stage in range(pipe * depth, (pipe + 1) * depth):
+            f, b = where[Action(stage, F, mb)], where[Action(stage, B, mb)]
+            assert f < b, f"stage {stage} mb {mb}: B at {b} not after F at {f}"
+            if stage % depth:
+                assert where[Action(stage - 1, F, mb)] < f
+            if (stage + 1) % depth:
+                assert where[Action(stage + 1, B, mb)] < b
+    assert len(where) == 2 * s.m * depth
+    # deadlock freedom without the clock: each rank blocks on its next action
+    orders = [[a for a in s.compute[r] if a is not None] for r in range(s.p)]
+    done, pos, moved = set(), [0] * s.p, True
+    while moved:
+        moved = False
+        for r in range(s.p):
+            while pos[r] < len(orders[r]):
+                a = orders[r][pos[r]]
+                deps = [Action(a.stage, F, a.microbatch)] if a.kind is B else []
+                if a.kind is F and a.stage % depth:
+                    deps.append(Action(a.stage - 1, F, a.microbatch))
+                if a.kind is B and (a.stage + 1) % depth:
+                    deps.append(Action(a.stage + 1, B, a.microbatch))
+                if not all(d in done for d in deps):
+                    break
+                done.add(a)
+                pos[r] += 1
+                moved = True
+    assert all(pos[r] == len(orders[r]) for r in range(s.p)), "deadlock"
+    assert problems(s) == []
+    assert Schedule.from_csv(s.to_csv()) == s
+
+
+def peaks(s):
+    return [max(live_counts(s, r)) for r in range(s.p)]
+
+
+@pytest.mark.parametrize("p,m", PLAIN_CASES)
+def test_one_f_one_b(p, m):
+    s = one_f_one_b(p, m)
+    check_invariants(s)
+    assert peaks(s) == [min(p - r, m) for r in range(p)]
+    assert s.steps == 2 * (m + p - 1)  # unit F and B: 2m busy steps plus 2(p-1) of ramp
+
+
+@pytest.mark.parametrize("p,m", PLAIN_CASES)
+def test_gpipe(p, m):
+    s = gpipe(p, m)
+    check_invariants(s)
+    assert peaks(s) == [m] * p
+    for r in range(p):  # all forwards before any backward
+        kinds = [a.kind for a in s.compute_order(r)]
+        assert kinds == [F] * m + [B] * m
+
+
+@pytest.mark.parametrize("p,m,v", INTERLEAVED_CASES)
+def test_interleaved(p, m, v):
+    s = interleaved_1f1b(p, m, v)
+    check_invariants(s)
+    assert s.num_stages == p * v and s.pipe_depth == p * v
+    assert s.stages_of(1 % p) == tuple(c * p + 1 % p for c in range(v))
+    # BPipe appendix A: p(v-1) + 2(p-r-1) + 1 chunk activations before the first backward
+    assert peaks(s) == [min(p * (v - 1) + 2 * (p - r - 1) + 1, m * v) for r in range(p)]
+
+
+def test_interleaved_needs_multiple_of_p():
+    with pytest.raises(ValueError, match=r"multiple of p.*m=6, p=4"):
+        interleaved_1f1b(4, 6, 2)
+
+
+@pytest.mark.parametrize("p,m,k", KFKB_CASES)
+def test_kfkb(p, m, k):
+    s = kfkb(p, m, k)
+    check_invariants(s)
+    assert peaks(s) == [k * min(p - r, m // k) for r in range(p)]
+    for r in range(p):  # runs of F and of B come in whole groups of k
+        kinds = [a.kind for a in s.compute_order(r)]
+        runs = [len(list(g)) for _, g in itertools.groupby(kinds)]
+        assert all(n % k == 0 for n in runs), runs
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (5, 10), (7, 21), (16, 32)])
+def test_kfkb_extremes(p, m):
+    assert kfkb(p, m, 1).compute == one_f_one_b(p, m).compute
+    assert kfkb(p, m, m).compute == gpipe(p, m).compute
+
+
+def test_kfkb_needs_divisor():
+    with pytest.raises(ValueError, match=r"multiple of k.*m=10, k=4"):
+        kfkb(4, 10, 4)
+
+
+@pytest.mark.parametrize("p,m", CHIMERA_CASES)
+def test_chimera(p, m):
+    s = chimera(p, m)
+    check_invariants(s)
+    assert s.num_stages == 2 * p and s.pipe_depth == p
+    assert s.stage_ranks == tuple(range(p)) + tuple(reversed(range(p)))
+    down = {a.microbatch for r in range(p) for a in s.compute_order(r) if a.stage < p}
+    assert sorted(down) == [u * p + i for u in range(m // p) for i in range(p // 2)]
+    # Chimera's activation memory: between (D/2 + 1) and D micro-batches per device
+    got = peaks(s)
+    assert got[0] == got[-1] == p // 2 + 1 and max(got) == p and got == got[::-1]
+
+
+def test_chimera_unit_matches_paper_figure():
+    """Per-device orders of the 4-stage basic unit in the Chimera paper's figure."""
+    s = chimera(4, 4)
+    text = [" ".join(f"{a.kind.value}{a.microbatch}" for a in s.compute_order(r)) for r in range(4)]
+    assert text == ["F0 F1 F2 B2 F3 B3 B0 B1",
+                    "F0 F2 F1 F3 B2 B0 B3 B1",
+                    "F2 F0 F3 F1 B0 B2 B1 B3",
+                    "F2 F3 F0 B0 F1 B1 B2 B3"]
+
+
+@pytest.mark.parametrize("p,m,match", [(3, 6, "even"), (4, 6, "multiple of p")])
+def test_chimera_rejects(p, m, match):
+    with pytest.raises(ValueError, match=match):
+        chimera(p, m)
+
+
+@pytest.mark.parametrize("make", [gpipe, one_f_one_b])
+@pytest.mark.parametrize("p,m", [(0, 4), (4, 0), (2.0, 4), (True, 3)])
+def test_bad_sizes(make, p, m):
+    with pytest.raises(ValueError, match="positive int"):
+        make(p, m)
+
+
+def test_one_f_one_b_grid_matches_figure_4_2():
+    """BPipe Figure 4.2: stage 0's 22 computation decisions, C_0 = F0, C_9 = B1, C_18 bubble."""
+    s = one_f_one_b(4, 8)
+    row = s.compute[0]
+    assert len(row) == 22
+    assert row[0] == Action(0, F, 0) and row[9] == Action(0, B, 1) and row[18] is None
+    assert str(s).splitlines()[1] == (
+        "r0   0F0 0F1 0F2 0F3   .   .   . 0B0 0F4 0B1 0F5 0B2 0F6 0B3 0F7 0B4   . 0B5   . 0B6   . 0B7")
+
+
+def test_schedule_views_and_repr():
+    s = one_f_one_b(3, 3)
+    assert repr(s) == "Schedule(1f1b, p=3, m=3, stages=3, steps=10)"
+    assert s[2] == s.compute[2] and len(s) == 3
+    assert s.next_stage(1) == 2 and s.next_stage(2) is None and s.prev_stage(0) is None
+    c = chimera(4, 4)
+    assert c.next_stage(3) is None and c.prev_stage(4) is None and c.next_stage(4) == 5
+
+
+def test_csv_round_trip_text():
+    s = one_f_one_b(2, 2)
+    text = s.to_csv()
+    assert text.splitlines()[:3] == [
+        "# name=1f1b;p=2;m=2;v=1;pipe_depth=2;stage_ranks=0 1",
+        "rank,lane,0,1,2,3,4,5",
+        "0,compute,0F0,0F1,,0B0,,0B1",
+    ]
+    assert Schedule.from_csv(text) == s
+    with pytest.raises(ValueError, match="metadata"):
+        Schedule.from_csv("rank,lane\n")
+
+
+def test_schedule_rejects_bad_cells():
+    with pytest.raises(TypeError, match=r"compute\[0\]\[0\] must be an Action or None, got '0F0'"):
+        Schedule("x", 1, 1, (("0F0",),), stage_ranks=(0,), pipe_depth=1)
+    with pytest.raises(ValueError, match="one row per rank"):
+        Schedule("x", 2, 1, ((None,),), stage_ranks=(0, 1), pipe_depth=2)
+    with pytest.raises(ValueError, match="outside 0..0"):
+        Schedule("x", 1, 1, ((None,),), stage_ranks=(0, 1), pipe_depth=1)
+    with pytest.raises(ValueError, match="multiple of pipe_depth"):
+        Schedule("x", 1, 1, ((None,),), stage_ranks=(0, 0, 0), pipe_depth=2)
+
+
+def test_from_orders_reports_deadlock():
+    orders = [[Action(0, F, 0), Action(0, B, 0), Action(0, F, 1), Action(0, B, 1)],
+              [Action(1, F, 1), Action(1, B, 1), Action(1, F, 0), Action(1, B, 0)]]
+    with pytest.raises(ValueError, match="deadlock"):
+        from_orders("bad", 2, 2, orders, stage_ranks=[0, 1], pipe_depth=2)

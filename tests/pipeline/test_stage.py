@@ -1,0 +1,74 @@
+"""Stage programs: residual packs owned by the caller, alias-aware pack plans, partitioning."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from terra.pipeline import stage as st
+from tests.pipeline._model import batch, max_err
+
+
+def test_two_stage_programs_give_tape_gradients_and_survive_a_pack_round_trip():
+    parts = st.tiny_gpt(2)
+    x, y = batch(4)
+    first = st.StageProgram(st.sequential(parts[0]), st.trainable_variables(parts[0]), tf.TensorSpec((4, 16), tf.int32))
+    head = st.sequential(parts[1])
+    last = st.StageProgram(lambda h, l: st.lm_loss(l, head(h)), st.trainable_variables(parts[1]),
+                           first.output_spec, tf.TensorSpec((4, 16), tf.int32))
+    h, pack0 = first.forward(x)
+    loss, pack1 = last.forward(h, y)
+    bases = pack0.split(first.plan)
+    assert not pack0.resident and len(bases) == len(first.plan.moved)
+    with pytest.raises(RuntimeError, match="evicted"):
+        first.backward(pack0, h)
+    pack0.restore(first.plan, [tf.identity(b) for b in bases])
+    gh, g1 = last.backward(pack1, tf.constant(1.0))
+    gx, g0 = first.backward(pack0, gh)
+    variables = st.trainable_variables(parts[0]) + st.trainable_variables(parts[1])
+    with tf.GradientTape() as tape:
+        ref = st.lm_loss(y, head(st.sequential(parts[0])(x)))
+    assert float(loss) == pytest.approx(float(ref), abs=1e-6)
+    assert max_err(g0 + g1, tape.gradient(ref, variables)) < 1e-6
+    assert gx is None  # integer token ids get no gradient
+    # Variable reads are kept, never counted as activations.
+    assert first.plan.kept and first.plan.moved_bytes > 0
+
+
+def test_pack_plan_keeps_variable_reads_and_rebuilds_views():
+    w = tf.Variable(tf.ones((4, 8)))
+
+    def f(x):
+        h = tf.tanh(tf.matmul(x, w))
+        return tf.reduce_sum(tf.reshape(h, [3, 2, 4]) * tf.reshape(h, [3, 2, 4]))
+
+    prog = st.StageProgram(f, [w], tf.TensorSpec((3, 4)))
+    graph = prog._pair.forward_graph
+    kinds = {graph.outputs[k].op.type for k in prog.pack_sources}
+    plan = prog.plan
+    assert "ReadVariableOp" in kinds
+    reads = [i for i, k in enumerate(prog.pack_sources) if graph.outputs[k].op.type == "ReadVariableOp"]
+    assert set(reads) <= set(plan.kept)
+    views = [i for i, k in enumerate(prog.pack_sources) if graph.outputs[k].op.type == "Reshape"]
+    assert views and {v.slot for v in plan.views} == set(views)
+    assert all(prog.pack_sources and v.base in plan.moved for v in plan.views)
+    # moved bytes count the tanh base once, not its reshaped view again
+    x = tf.random.normal((3, 4), seed=1)
+    out, pack = prog.forward(x)
+    bases = pack.split(plan)
+    pack.restore(plan, [tf.identity(b) for b in bases])
+    _, (gw,) = prog.backward(pack, tf.constant(1.0))
+    with tf.GradientTape() as tape:
+        ref = f(x)
+    np.testing.assert_allclose(gw.numpy(), tape.gradient(ref, w).numpy(), rtol=1e-5)
+
+
+def test_partition_and_errors():
+    assert st.partition(list(range(5)), 2) == [[0, 1], [2, 3, 4]] or st.partition(list(range(5)), 2) == [[0, 1, 2], [3, 4]]
+    assert sum(map(len, st.partition(list(range(8)), 4))) == 8
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3"):
+        st.partition([1, 2], 3)
+    with pytest.raises(ValueError, match="num_stages"):
+        st.partition([1, 2], 0)
+    with pytest.raises(ValueError, match="scalar loss"):
+        st.StageProgram(lambda h, l: h, [], tf.TensorSpec((2,)), tf.TensorSpec((2,)))
+    with pytest.raises(ValueError, match="d_model"):
+        st.tiny_gpt(2, d_model=30, heads=4)

@@ -1,0 +1,40 @@
+"""Fails loudly if TF changes the forward/backward function pair the pipeline relies on."""
+import numpy as np
+import tensorflow as tf
+
+from terra import _tf_private
+
+
+def test_private_names_still_exist():
+    from tensorflow.python.eager.polymorphic_function import concrete_function as cf
+    assert hasattr(cf, "_FirstOrderTapeGradientFunctions"), "TF moved the tape forward/backward builder"
+    for name in ("_func_graph", "_attrs", "_garbage_collector", "_delayed_rewrite_functions"):
+        assert name in cf.ConcreteFunction.__init__.__code__.co_names or hasattr(cf.ConcreteFunction, name), name
+    functions = cf._FirstOrderTapeGradientFunctions
+    for name in ("forward", "_forward_and_backward_functions"):
+        assert hasattr(functions, name), f"_FirstOrderTapeGradientFunctions.{name} is gone"
+
+
+def test_forward_backward_pair_splits_a_function_and_matches_the_tape():
+    w = tf.Variable([[0.5, -1.0], [2.0, 0.25]])
+    x = tf.constant([[1.0, 2.0], [3.0, -1.0]])
+
+    @tf.function(autograph=False)
+    def f(x):
+        return tf.reduce_sum(tf.tanh(tf.matmul(x, w)) ** 2)
+
+    pair = _tf_private.forward_backward_pair(f.get_concrete_function(tf.TensorSpec((2, 2))))
+    assert pair.num_outputs == 1 and pair.num_output_grads == 1
+    outs = pair.forward(x, *f.get_concrete_function(tf.TensorSpec((2, 2))).captured_inputs)
+    assert len(outs) > 1, "forward must return side outputs after the real output"
+    assert {kind for kind, _ in pair.capture_sources} <= {"side", "external"}
+    captures = [outs[k] if kind == "side" else k for kind, k in pair.capture_sources]
+    grads = pair.backward([tf.constant(1.0)], captures)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        ref = tf.reduce_sum(tf.tanh(tf.matmul(x, w)) ** 2)
+    gx, gw = tape.gradient(ref, [x, w])
+    np.testing.assert_allclose(outs[0].numpy(), ref.numpy(), rtol=1e-6)
+    assert len(grads) == 2  # one per forward-graph input: x, then the captured variable handle
+    np.testing.assert_allclose(grads[0].numpy(), gx.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(grads[1].numpy(), gw.numpy(), rtol=1e-6)
