@@ -13,3 +13,11 @@ __all__ = ["Action", "Kind", "F", "B", "EVICT", "LOAD", "SEND", "RECV", "Schedul
            "one_f_one_b", "interleaved_1f1b", "kfkb", "chimera", "add_evict_load",
            "add_send_recv", "mu_opt", "pairs", "Infeasible", "simulate", "SimResult", "validate",
            "problems", "Problem", "ScheduleError"]
+
+
+def __getattr__(name):
+    """`terra.pipeline.PipelineTrainer` without importing TensorFlow for the pure-data API."""
+    if name == "PipelineTrainer":
+        from terra.pipeline.executor import PipelineTrainer
+        return PipelineTrainer
+    raise AttributeError(f"module 'terra.pipeline' has no attribute {name!r}")
