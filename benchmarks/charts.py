@@ -70,7 +70,7 @@ def speedup(results, path):
 def coverage(results, path):
     progs = list(results["programs"])
     cols = [m for m in report.mode_names(results) if m != "eager"]
-    fig, ax = plt.subplots(figsize=(12, 0.45 * len(progs) + 1.2))
+    fig, ax = plt.subplots(figsize=(12, 0.3 * len(progs) + 0.6))
     ax.axis("off")
     cells, colors = [], []
     for p in progs:

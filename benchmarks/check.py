@@ -11,8 +11,12 @@ import numpy as np
 
 
 def first_line(exc):
-    msg = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {msg[0] if msg else ''}"[:300]
+    """``Type: message`` in one line. tf.function errors open with "in user code:" and a traceback;
+    their last line is the message that says what went wrong."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    msg = lines[-1] if lines and lines[0].startswith("in user code") else (lines[0] if lines else "")
+    name = type(exc).__name__
+    return (msg if msg.startswith(name + ":") else f"{name}: {msg}")[:300]
 
 
 def compare_losses(ref, got, rtol, atol, drift_rtol=None):

@@ -125,7 +125,14 @@ def markdown(results):
     rows = []
     for p in progs:
         ms = results["programs"][p]["modes"]
-        reasons = "; ".join(f"{label(m)}: {ms[m]['reason']}" for m in fn_modes if m in ms and ms[m]["reason"])
+        reasons, seen = [], []
+        for m in fn_modes:
+            r = ms.get(m) or {}
+            key = (r.get("status"), (r.get("reason") or "")[:28])
+            if r.get("reason") and key not in seen:
+                reasons.append(f"{label(m)}: {r['reason']}")
+                seen.append(key)
+        reasons = "; ".join(reasons)
         rows.append([p] + [STATUS_TEXT.get(ms[m]["status"], ms[m]["status"]) if m in ms else "" for m in fn_modes]
                     + [reasons or "-"])
     md += [_table(["program"] + [label(m) for m in fn_modes] + ["reason"], rows), ""]
@@ -138,6 +145,11 @@ def terra_sections(results, summ, progs):
     t_modes = [m for m in mode_names(results) if m in modes_mod.MODES and modes_mod.MODES[m].is_terra]
     if not t_modes:
         return md + ["Terra modes were not run.", ""]
+    runs = [pr["modes"][m] for pr in results["programs"].values() for m in t_modes if m in pr["modes"]]
+    if runs and all(r["status"] == "unavailable" for r in runs):
+        note = f"Unavailable: {runs[0]['reason']}. Tables 3.2 and 3.3 and Figure 3.11 fill in once it is."
+        return md + [note, "", "## Terra with and without co-execution (Table 3.2)", "", note, "",
+                     "## Per-step breakdown of Terra (Figure 3.11)", "", note, ""]
     rows = []
     for p in progs:
         r = results["programs"][p]["modes"].get("terra")

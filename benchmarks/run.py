@@ -42,7 +42,7 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, help="timed steps per mode (default 20; quick 4)")
     ap.add_argument("--rounds", type=int, help="interleaving rounds (default 5; quick 2)")
     ap.add_argument("--warmup", type=int, help="warm-up steps per mode (default 3; quick 2)")
-    ap.add_argument("--size", choices=programs_mod._common.SIZES, default="bench")
+    ap.add_argument("--size", choices=programs_mod.SIZES, default="bench")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help=f"programs {','.join(QUICK_PROGRAMS)}, few steps")
     ap.add_argument("--out", help="output folder (default benchmarks/results, or benchmarks/results/quick)")

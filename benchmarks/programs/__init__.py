@@ -2,6 +2,8 @@
 ``build(tape_cls, seed=0, size="bench"|"tiny") -> Program``; see ``_common.Program``."""
 import importlib
 
+from ._common import SIZES, Program  # noqa: F401 - the interface every program implements
+
 PROGRAMS = (
     "resnet50", "bert_qa", "bert_cls", "gpt2", "music_transformer",
     "dcgan", "dropblock", "sdpoint", "fasterrcnn_like", "yolov3_like",

@@ -44,3 +44,8 @@ def test_later_steps_allow_drift_but_not_the_first():
     assert check.compare_losses(ref, {0: 1.0, 1: 2.0 * (1 + 1e-4)}, 1e-5, 1e-6, drift_rtol=1e-3) is None
     assert "step 0" in check.compare_losses(ref, {0: 1.0 + 1e-4, 1: 2.0}, 1e-5, 1e-6, drift_rtol=1e-3)
     assert "step 1" in check.compare_losses(ref, {0: 1.0, 1: 2.01}, 1e-5, 1e-6, drift_rtol=1e-3)
+
+
+def test_first_line_of_a_tf_function_error_is_its_message():
+    e = AttributeError("in user code:\n\n    File x.py, line 3\n\n    AttributeError: 'SymbolicTensor' object has no attribute 'numpy'\n")
+    assert check.first_line(e) == "AttributeError: 'SymbolicTensor' object has no attribute 'numpy'"
