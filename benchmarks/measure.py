@@ -1,11 +1,15 @@
 """Interleaved measurement of all modes of one program in one process.
 
-Every mode gets its own program instance built from the same seed. First each runs ``warmup``
-steps (tracing, XLA compilation, Terra's tracing phase; timed and reported apart). Then ``rounds``
-rounds: in each, every live mode runs ``steps`` consecutive steps, the order of modes rotating from
-round to round, so slow drifts of a shared, noisy machine hit all modes alike. Step ``i`` is the
-same iteration (same data) for every mode. A mode whose step raises stops there (``failed``); a
-mode whose losses or final variables differ from eager is ``wrong``.
+Every mode gets its own program instance built from the same seed. First come ``warmup`` steps
+(tracing, XLA compilation, Terra's tracing phase; timed and reported apart), which double as the
+correctness check: eager runs them first, and before each step ``i >= 1`` every other mode is
+loaded with eager's variables from before step ``i``, so its loss and its update of step ``i``
+are compared with eager's from identical states (see check.py for why not whole trajectories).
+Then ``rounds`` rounds: in each, every live mode runs ``steps`` consecutive steps, the order of
+modes rotating from round to round, so slow drifts of a shared, noisy machine hit all modes alike.
+Step ``i`` is the same iteration (same data) for every mode. A mode whose step raises stops there
+(``failed``); a mode whose checked loss or update differs from eager's is ``wrong``. How far the
+free-running trajectories drift apart afterwards is recorded, not judged.
 """
 import dataclasses
 import time
@@ -23,7 +27,7 @@ class Schedule:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, int) or v < (0 if f.name == "warmup" else 1):
+            if not isinstance(v, int) or v < 1:
                 raise ValueError(f"Schedule.{f.name} must be a positive int, got {v!r}")
 
     @property
@@ -87,13 +91,7 @@ def run_program(build, mode_names, schedule=Schedule(), seed=0, size="bench", lo
         except Exception as e:  # noqa: BLE001
             run.fail("failed", f"build: {check.first_line(e)}")
         run.build_s = time.perf_counter() - t0
-    for run in runs:
-        if run.program is not None:
-            modes_mod.enter(run.mode)
-            for i in range(schedule.warmup):
-                if run.program is not None:
-                    _one_step(run, i, timed=False)
-            log(f"  {run.mode.name:13s} warm-up {sum(run.warmup_s):7.2f}s  {run.status} {run.reason or ''}")
+    _checked_warmup(runs, schedule.warmup, log)
     for k in range(schedule.rounds):
         live = [r for r in runs if r.program is not None]
         if not live:
@@ -111,23 +109,66 @@ def run_program(build, mode_names, schedule=Schedule(), seed=0, size="bench", lo
     return {r.mode.name: _result(r) for r in runs}
 
 
-def _verdicts(runs):
+def _values(program):
+    return [(getattr(v, "path", v.name), v.numpy()) for v in program.variables()]
+
+
+def _load(program, values):
+    for v, (_, x) in zip(program.variables(), values):
+        v.assign(x)
+
+
+def _checked_warmup(runs, warmup, log):
     ref = runs[0]
     assert ref.mode.name == "eager"
+    snapshots = []  # eager's variables before step i, and after the last warm-up step
+    if ref.program is not None:
+        for i in range(warmup):
+            snapshots.append(_values(ref.program))
+            _one_step(ref, i, timed=False)
+            if ref.program is None:
+                break
+        else:
+            snapshots.append(_values(ref.program))
+    log(f"  {ref.mode.name:13s} warm-up {sum(ref.warmup_s):7.2f}s  {ref.status} {ref.reason or ''}")
     for run in runs[1:]:
-        if run.status != "ok":
+        if run.program is None:
+            continue
+        modes_mod.enter(run.mode)
+        m = run.mode
+        for i in range(warmup):
+            synced = 0 < i < len(snapshots) - 1
+            if synced:
+                if [x.shape for _, x in _values(run.program)] != [x.shape for _, x in snapshots[i]]:
+                    run.fail("wrong", f"step {i}: variables differ in number or shape from eager's")
+                    break
+                _load(run.program, snapshots[i])
+            _one_step(run, i, timed=False)
+            if run.program is None:
+                break
+            if ref.status != "ok" or i not in ref.losses:
+                continue
+            reason = check.compare_losses({i: ref.losses[i]}, {i: run.losses[i]}, m.rtol, m.atol)
+            if reason is None and synced:
+                reason = check.compare_update(snapshots[i], snapshots[i + 1], _values(run.program), m.update_rtol, i)
+            if reason is not None:
+                run.status, run.reason = "wrong", reason
+                break
+        log(f"  {run.mode.name:13s} warm-up {sum(run.warmup_s):7.2f}s  {run.status} {run.reason or ''}")
+
+
+def _verdicts(runs):
+    """Statuses come from the checked warm-up; here only the drift of the free-running
+    trajectories is measured, and a mode without a usable eager reference is ``unchecked``."""
+    ref = runs[0]
+    for run in runs[1:]:
+        if run.status not in ("ok", "wrong"):
             continue
         if ref.status != "ok":
             run.status, run.reason = "unchecked", "eager reference failed"
             continue
-        m = run.mode
-        reason = check.compare_losses(ref.losses, run.losses, m.rtol, m.atol, m.drift_rtol)
-        if reason is None:
-            reason = check.compare_variables(ref.variables, run.variables, m.var_rtol)
-        if reason is not None:
-            run.status, run.reason = "wrong", reason
         run.max_rel_loss_diff = check.max_rel_loss_diff(ref.losses, run.losses)
-        if len(ref.variables) == len(run.variables):
+        if run.variables is not None and len(ref.variables) == len(run.variables):
             run.var_rel_diff = float(check.variable_diff(ref.variables, run.variables)[0])
 
 

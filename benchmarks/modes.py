@@ -31,10 +31,9 @@ class Mode:
     runtime: str                 # "tf" or "terra": where the tape class comes from
     jit_compile: bool | None     # None: step runs as written; else tf.function(jit_compile=...)
     terra_config: tuple = ()     # (key, value) pairs for terra.config before each round
-    rtol: float = 1e-5           # first-step loss against eager (numpy.isclose); see check.py
+    rtol: float = 1e-5           # loss of a step from eager's state (numpy.isclose); see check.py
     atol: float = 1e-6
-    drift_rtol: float = 1e-3     # later losses, where training has amplified rounding differences
-    var_rtol: float = 1e-3       # final variables: global relative L2 difference (check.variable_diff)
+    update_rtol: float = 0.1     # update of a step from eager's state: relative L2 of the difference
 
     @property
     def is_terra(self):

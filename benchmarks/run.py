@@ -41,7 +41,7 @@ def parse_args(argv=None):
                     help="comma-separated; eager is always added as the reference")
     ap.add_argument("--steps", type=int, help="timed steps per mode (default 20; quick 4)")
     ap.add_argument("--rounds", type=int, help="interleaving rounds (default 5; quick 2)")
-    ap.add_argument("--warmup", type=int, help="warm-up steps per mode (default 3; quick 2)")
+    ap.add_argument("--warmup", type=int, help="warm-up steps per mode, checked against eager (default 3; quick 2)")
     ap.add_argument("--size", choices=programs_mod.SIZES, default="bench")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help=f"programs {','.join(QUICK_PROGRAMS)}, few steps")
@@ -56,6 +56,8 @@ def parse_args(argv=None):
     a.warmup = a.warmup if a.warmup is not None else (2 if a.quick else 3)
     a.steps = a.steps or (4 if a.quick else 20)
     a.rounds = min(a.rounds or (2 if a.quick else 5), a.steps)
+    if a.warmup < 2:
+        ap.error(f"--warmup must be at least 2 (the warm-up steps are the steps checked against eager), got {a.warmup}")
     if a.steps % a.rounds:
         ap.error(f"--steps {a.steps} must be a multiple of --rounds {a.rounds}")
     a.out = a.out or (os.path.join(DEFAULT_OUT, "quick") if a.quick else DEFAULT_OUT)
