@@ -11,6 +11,8 @@ few steps (ResNet-50: 0.5% at step 1, 11% at step 2). So the harness loads eager
 each checked step and compares (1) the loss, rtol 1e-5, and (2) the update, as the relative L2
 difference of the whole update vector, below ``update_rtol`` (0.1): a skipped or mis-scaled update
 is off by O(1). A frozen ``keep_prob`` or random choice changes the loss by percents."""
+import re
+
 import numpy as np
 
 
@@ -19,6 +21,7 @@ def first_line(exc):
     their last line is the message that says what went wrong."""
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     msg = lines[-1] if lines and lines[0].startswith("in user code") else (lines[0] if lines else "")
+    msg = re.sub(r"\[[^\]]{40,}\]", "", msg)  # drop long attribute lists such as [_XlaMustCompile=...]
     name = type(exc).__name__
     return (msg if msg.startswith(name + ":") else f"{name}: {msg}")[:300]
 

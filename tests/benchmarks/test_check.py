@@ -44,3 +44,8 @@ def test_first_line():
 def test_first_line_of_a_tf_function_error_is_its_message():
     e = AttributeError("in user code:\n\n    File x.py, line 3\n\n    AttributeError: 'SymbolicTensor' object has no attribute 'numpy'\n")
     assert check.first_line(e) == "AttributeError: 'SymbolicTensor' object has no attribute 'numpy'"
+
+
+def test_first_line_drops_long_attribute_lists():
+    e = ValueError("compile graph __inference_f_1[_XlaMustCompile=true,config_proto=1234567890123456789,x=1] on XLA: no kernel")
+    assert check.first_line(e) == "ValueError: compile graph __inference_f_1 on XLA: no kernel"
