@@ -19,6 +19,7 @@ TERRA_STATS = {"warmup": {"traces": 2, "fallbacks": 0, "graph_builds": 1},
 
 
 def fake_results(with_terra=False):
+    lazy = mode("terra_lazy", steps=(0.5,) * 4) if with_terra else mode("terra_lazy", "unavailable", (), "missing")
     terra = (mode("terra", steps=(0.25, 0.25, 0.25, 0.25), stats=TERRA_STATS) if with_terra
              else mode("terra", "unavailable", (), "Terra runtime not built yet (missing terra.GradientTape)"))
     return {
@@ -28,7 +29,7 @@ def fake_results(with_terra=False):
             "alpha": {"modes": {"eager": mode("eager", steps=(0.4, 0.5, 0.5, 0.6)),
                                 "function": mode("function", steps=(0.2, 0.25, 0.25, 0.3)),
                                 "function_xla": mode("function_xla", "failed", (), "step 0: InvalidArgumentError: no kernel"),
-                                "terra": terra}},
+                                "terra": terra, "terra_lazy": lazy}},
             "beta": {"modes": {"eager": mode("eager"),
                                "function": mode("function", "wrong", (0.05,) * 4, "loss differs at step 1: 1 vs eager 2"),
                                "function_xla": mode("function_xla", steps=(0.02,) * 4),
@@ -68,5 +69,6 @@ def test_terra_tables_when_stats_exist(tmp_path):
     md = report.markdown(res)
     assert "| alpha | 2 | 1 | 1 | ok |" in md
     assert "| alpha | 10.0 | 0.0 | 50.0 | 5.0 |" in md
-    assert "| alpha | x2.00 [2.00-2.00] |" in md
-    report.write_all(res, str(tmp_path))
+    assert "| alpha | x2.00 [2.00-2.00] | x1.00 [1.00-1.00] |" in md
+    paths = report.write_all(res, str(tmp_path))
+    assert sum(p.endswith(".png") for p in paths) == 5
