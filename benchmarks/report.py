@@ -6,6 +6,7 @@ regenerated from a stored ``results.json``."""
 import json
 import math
 import os
+import re
 
 import numpy as np
 
@@ -81,7 +82,8 @@ def _fmt_speedup(r, t):
 
 
 def _cell(text):
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    text = re.sub(r"\[[^\]]{40,}\]", "", str(text))  # long TF attribute lists, as in check.first_line
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def _table(header, rows):
@@ -99,8 +101,9 @@ def markdown(results):
     md.append(f"{meta.get('date', '?')} · TF {meta.get('tensorflow', '?')} · Keras {meta.get('keras', '?')} · "
               f"commit {meta.get('git_commit', '?')} · {meta.get('machine', '?')} · schedule {results.get('schedule', {})}")
     md += ["", "Speed-up = eager median step time / mode median step time; brackets: from the mode's "
-           "p75 and p25 step times. WRONG = ran but losses or variables differ from eager "
-           "(timing in parentheses is not a valid speed-up); FAILED = raised; n/a = unavailable.", ""]
+           "p75 and p25 step times. WRONG = ran, but the loss or the update of a checked warm-up step, "
+           "run from eager's state, differs from eager's (timing in parentheses is not a valid speed-up); "
+           "FAILED = raised; n/a = unavailable.", ""]
     md += ["## Speed-up over eager (Figure 3.10)", ""]
     rows = []
     for p in progs:
@@ -133,9 +136,13 @@ def markdown(results):
                 reasons.append(f"{label(m)}: {r['reason']}")
                 seen.append(key)
         reasons = "; ".join(reasons)
+        drift = [ms[m].get("max_rel_loss_diff") for m in fn_modes if m in ms and ms[m]["status"] == "ok"]
+        drift = [d for d in drift if d is not None]
         rows.append([p] + [STATUS_TEXT.get(ms[m]["status"], ms[m]["status"]) if m in ms else "" for m in fn_modes]
-                    + [reasons or "-"])
-    md += [_table(["program"] + [label(m) for m in fn_modes] + ["reason"], rows), ""]
+                    + [reasons or "-", f"{max(drift):.1e}" if drift else ""])
+    md += [_table(["program"] + [label(m) for m in fn_modes] + ["reason", "drift"], rows), "",
+           "drift: largest relative loss difference from eager over the free-running timed steps of the "
+           "modes that passed (rounding amplified by training; recorded, not judged).", ""]
     md += terra_sections(results, summ, progs)
     return "\n".join(md) + "\n"
 
