@@ -1,6 +1,7 @@
 """PNG charts of a result set (matplotlib, Agg): Figure 3.10, Tables 3.1-3.3, Figure 3.11.
 Terra charts say "unavailable" (with the reason) until the runtime reports data."""
 import os
+import re
 
 import matplotlib
 
@@ -76,8 +77,9 @@ def coverage(results, path):
     for p in progs:
         ms = results["programs"][p]["modes"]
         row = [report.STATUS_TEXT.get(ms[m]["status"], "") if m in ms else "" for m in cols]
-        fn_reason = next((ms[m]["reason"] for m in ("function", "function_xla") if m in ms and ms[m]["reason"]), "")
-        cells.append(row + [fn_reason[:90]])
+        fn_reason = next((f"{_label(m)}: {ms[m]['reason']}" for m in ("function", "function_xla")
+                          if m in ms and ms[m]["reason"]), "")
+        cells.append(row + [re.sub(r"\[[^\]]{40,}\]", "", fn_reason)[:170]])
         colors.append([STATUS_COLOR.get(ms[m]["status"], "white") if m in ms else "white" for m in cols] + ["white"])
     tab = ax.table(cellText=cells, cellColours=colors, rowLabels=progs, colLabels=[_label(m) for m in cols] + ["reason (AutoGraph)"],
                    loc="center", cellLoc="left")
