@@ -3,8 +3,8 @@ eager's loss and eager's update. A silent mismatch is a failure with a reason, l
 
 Why steps from identical states and not whole trajectories: training amplifies rounding. Graph
 rewrites (oneDNN fusions, XLA) change the last bits of a loss (about 1e-6 relative), but they
-change gradients far more where backpropagation cancels (through BatchNorm, ResNet-50's gradients
-differ by about 2e-3 relative between eager and tf.function), Adam turns noise-level gradients of
+change gradients far more where backpropagation cancels (through BatchNorm: after one ResNet-50
+step, eager and tf.function variables differ by up to 6e-4), Adam turns noise-level gradients of
 parameters whose true gradient is zero (attention key biases) into full-size updates, and GANs
 are chaotic. Free-running eager and graph trajectories of correct programs therefore part after a
 few steps (ResNet-50: 0.5% at step 1, 11% at step 2). So the harness loads eager's variables before
