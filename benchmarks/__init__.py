@@ -1,0 +1,1 @@
+"""Bundled imperative TF2 programs and the harness comparing eager, tf.function, XLA and Terra."""
