@@ -26,14 +26,15 @@ import numpy as np
 
 from terra import _tf_private as tfp
 from terra.compiler.case_assignment import path_choices
-from terra.compiler.lower import TOP, Lowered
-from terra.compiler.merge import merge
+from terra.compiler.lower import TOP, Lowered, lower
+from terra.compiler.merge import covers, merge
 from terra.ir.records import FeedRef, OpRecord, Trace, VariableRef
 from terra.ir.trace_graph import LOOP
 from terra.runtime.graph_runner import GraphRunner
+from terra.tracing import Recorder
 
 __all__ = ["Event", "plan", "drive", "DriveResult", "GraphRunnerNoGrappler", "remap_variables",
-           "variable_keys"]
+           "variable_keys", "twin_run", "TwinRun"]
 
 _PENDING = None
 
@@ -285,3 +286,92 @@ def drive(lowered: Lowered, trace: Trace, *, runner: Optional[GraphRunner] = Non
         if ch.size():
             raise AssertionError(f"drive: {ch!r} still holds {ch.size()} elements after the run")
     return res
+
+
+# ----------------------------------------------------------------------------- twin-model runs
+# Program A runs every iteration eagerly (recording it, so the driver knows what Python did).
+# Program B is in the tracing phase until the TraceGraph covers its latest trace (each iteration
+# recorded and merged), then the graph is lowered once and B's later iterations run the graph,
+# driven with A's trace of the same iteration. An iteration the graph does not cover runs
+# eagerly on B, is merged, and the graph is lowered again (what the runtime's fallback does).
+# After every iteration the fetched loss and all variables of A and B are compared.
+
+
+def all_variables(*objs):
+    seen, out = set(), []
+    for o in objs:
+        for v in (o.variables if hasattr(o, "variables") else o):
+            if id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
+    return out
+
+
+def record(step, state, *args):
+    with Recorder("step") as rec:
+        out = step(state, *args)
+    return rec.trace, out
+
+
+def assert_same(a, b, rtol, what):
+    if rtol is None:
+        np.testing.assert_array_equal(a, b, err_msg=what)
+    else:
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-7, err_msg=what)
+
+
+@dataclass
+class TwinRun:
+    graph: object = None
+    traces: list = field(default_factory=list)
+    lowered: object = None
+    lowerings: int = 0
+    driven: int = 0
+    eager_b: int = 0
+    configs_driven: list = field(default_factory=list)
+    fetched: list = field(default_factory=list)
+
+
+def twin_run(build, step, configs, *, variables, loss_of=lambda out: out, rtol=None,
+                feed_back=None, delay=None, timeout=30.0):
+    """Run `step(state, *cfg)` for every cfg on two twins built by `build()`; see module doc.
+
+    variables(state) -> list of every variable (same order on both twins). `loss_of(out)` is the
+    value the step fetched (compared with what the graph fetched). `feed_back(trace, out)` ->
+    {slot: callable(fetched)} for feeds Python computes from fetched values."""
+    a, b = build(), build()
+    vars_a, vars_b = variables(a), variables(b)
+    assert len(vars_a) == len(vars_b)
+    for x, y in zip(vars_a, vars_b):
+        np.testing.assert_array_equal(x.numpy(), y.numpy())
+    kmap = dict(zip(variable_keys(vars_a), variable_keys(vars_b)))
+    run = TwinRun()
+    for it, cfg in enumerate(configs):
+        trace_a, out_a = record(step, a, *cfg)
+        trace_a = remap_variables(trace_a, kmap)
+        if run.lowered is not None and run.lowered.covers(trace_a):
+            feeds = feed_back(trace_a, out_a) if feed_back else None
+            res = drive(run.lowered, trace_a, feed_values=feeds, delay=delay, timeout=timeout)
+            run.driven += 1
+            run.configs_driven.append(cfg)
+            run.fetched.append(res.fetched)
+            loss_a = np.asarray(loss_of(out_a))
+            matches = [v for v in res.fetched.values() if v.shape == loss_a.shape
+                       and np.array_equal(v, loss_a)]
+            if rtol is not None and not matches:
+                matches = [v for v in res.fetched.values() if v.shape == loss_a.shape
+                           and np.allclose(v, loss_a, rtol=rtol, atol=1e-7)]
+            assert matches, f"iteration {it}: loss {loss_a} not among fetched {res.fetched}"
+        else:
+            trace_b, _ = record(step, b, *cfg)
+            run.eager_b += 1
+            covered = run.graph is not None and covers(run.graph, trace_b)
+            if not covered or run.lowered is not None:  # a new path, or a fallback: add it
+                run.graph = merge(run.graph, trace_b)
+                run.traces.append(trace_b)
+            if covered or run.lowered is not None:
+                run.lowered = lower(run.graph, run.traces)
+                run.lowerings += 1
+        for x, y in zip(vars_a, vars_b):
+            assert_same(x.numpy(), y.numpy(), rtol, f"iteration {it} {cfg}: {x.name}")
+    return run
