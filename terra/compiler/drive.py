@@ -27,7 +27,8 @@ import numpy as np
 from terra import _tf_private as tfp
 from terra.compiler.case_assignment import path_choices
 from terra.compiler.lower import TOP, Lowered, lower
-from terra.compiler.merge import covers, merge
+from terra.compiler.merge import _shape as _merge_shape  # what `covers` compares
+from terra.compiler.merge import merge
 from terra.ir.records import FeedRef, OpRecord, Trace, VariableRef
 from terra.ir.trace_graph import LOOP
 from terra.runtime.graph_runner import GraphRunner
@@ -100,13 +101,13 @@ def remap_variables(trace: Trace, mapping: dict) -> Trace:
 
 # ---------------------------------------------------------------------------------------- plan
 class _Planner:
-    def __init__(self, lowered: Lowered, trace: Trace):
-        if not lowered.covers(trace):
+    def __init__(self, lowered: Lowered, trace: Trace, merged=None):
+        g = merged if merged is not None else lowered.match(trace)
+        if g is None:
             raise ValueError(f"drive: trace {trace.site!r} ({len(trace)} ops) is not covered by "
                              f"the lowered graph")
         self.lw, self.trace = lowered, trace
         self.tid = lowered.graph.num_traces
-        g = merge(lowered.graph, trace)
         self.node, self.level_of, self.levels = {}, {}, {TOP: g}
         self.rec_node, self.visit_starts = {}, {}
         self._index(TOP, g)
@@ -221,28 +222,23 @@ class _Planner:
         return [ev for *_, ev in merged if ev.kind != "record"]
 
 
-def plan(lowered: Lowered, trace: Trace) -> list:
-    """The Python side of one iteration as a list of Events, in the order Python performs them."""
-    return _Planner(lowered, trace).run()
-
-
-def visits(lowered: Lowered, trace: Trace) -> dict:
-    """(node, output index) -> how many elements the graph enqueues for `trace`'s iteration."""
-    p = _Planner(lowered, trace)
-    return {key: len(p.node[key[0]].seen.get(p.tid, ())) for key in lowered.fetches}
+def plan(lowered: Lowered, trace: Trace, merged=None) -> list:
+    """The Python side of one iteration as a list of Events, in the order Python performs them.
+    `merged`: `lowered.match(trace)` if already computed (saves a merge)."""
+    return _Planner(lowered, trace, merged).run()
 
 
 # --------------------------------------------------------------------------------------- drive
 def drive(lowered: Lowered, trace: Trace, *, runner: Optional[GraphRunner] = None,
           feed_values: Optional[dict] = None, delay: Optional[Callable] = None,
-          timeout: float = 60.0) -> DriveResult:
+          timeout: float = 60.0, merged=None) -> DriveResult:
     """Run `lowered.function` for `trace`'s iteration and play the Python side.
 
     feed_values: slot -> value, or -> callable(fetched) computing it from the values fetched so
     far (for programs that feed back what they fetched); default: `trace.feed_values`.
     delay: called before every Python-side action (e.g. a random sleep, for stress tests).
-    Every wait is bounded by `timeout` (TerraTimeoutError)."""
-    p = _Planner(lowered, trace)
+    Every wait is bounded by `timeout` (TerraTimeoutError). `merged`: as for `plan`."""
+    p = _Planner(lowered, trace, merged)
     events = p.run()
     expected = {key: len(p.node[key[0]].seen.get(p.tid, ())) for key in lowered.fetches}
     runner = runner or GraphRunnerNoGrappler()
@@ -349,9 +345,11 @@ def twin_run(build, step, configs, *, variables, loss_of=lambda out: out, rtol=N
     for it, cfg in enumerate(configs):
         trace_a, out_a = record(step, a, *cfg)
         trace_a = remap_variables(trace_a, kmap)
-        if run.lowered is not None and run.lowered.covers(trace_a):
+        merged = run.lowered.match(trace_a) if run.lowered is not None else None
+        if merged is not None:
             feeds = feed_back(trace_a, out_a) if feed_back else None
-            res = drive(run.lowered, trace_a, feed_values=feeds, delay=delay, timeout=timeout)
+            res = drive(run.lowered, trace_a, feed_values=feeds, delay=delay, timeout=timeout,
+                        merged=merged)
             run.driven += 1
             run.configs_driven.append(cfg)
             run.fetched.append(res.fetched)
@@ -365,9 +363,10 @@ def twin_run(build, step, configs, *, variables, loss_of=lambda out: out, rtol=N
         else:
             trace_b, _ = record(step, b, *cfg)
             run.eager_b += 1
-            covered = run.graph is not None and covers(run.graph, trace_b)
+            new = merge(run.graph, trace_b)
+            covered = run.graph is not None and _merge_shape(new) == _merge_shape(run.graph)
             if not covered or run.lowered is not None:  # a new path, or a fallback: add it
-                run.graph = merge(run.graph, trace_b)
+                run.graph = new
                 run.traces.append(trace_b)
             if covered or run.lowered is not None:
                 run.lowered = lower(run.graph, run.traces)

@@ -46,7 +46,8 @@ import tensorflow as tf
 from terra import _tf_private as tfp
 from terra.compiler import replay as _replay
 from terra.compiler.case_assignment import assign_cases
-from terra.compiler.merge import covers, merge
+from terra.compiler.merge import _shape as _merge_shape  # what `covers` compares
+from terra.compiler.merge import merge
 from terra.ir.records import ConstRef, FeedRef, Trace, VariableRef
 from terra.ir.trace_graph import (LOOP, OP, Carried, IterFeed, NodeOut, Phi, Prev, TraceGraph)
 from terra.runtime.channels import FeedChannel, FetchChannel
@@ -121,19 +122,22 @@ class Lowered:
         return (list(self.feeds.values()) + list(self.case_selects.values())
                 + list(self.loop_conds.values()))
 
-    def covers(self, trace: Trace) -> bool:
-        """Whether this graph can run `trace`'s iteration: the TraceGraph covers it and every
-        unrolled loop ran its fixed trip count."""
-        if not covers(self.graph, trace):
-            return False
-        if not self.unrolled:
-            return True
-        merged, tid = merge(self.graph, trace), self.graph.num_traces
+    def match(self, trace: Trace):
+        """The TraceGraph with `trace` merged in (trace id `graph.num_traces`, which maps every
+        record to its node) if this graph can run `trace`'s iteration, else None: the merge must
+        add nothing (`merge.covers`) and every unrolled loop must run its fixed trip count."""
+        merged = merge(self.graph, trace)
+        if _merge_shape(merged) != _merge_shape(self.graph):
+            return None
+        tid = self.graph.num_traces
         for lid, trips in self.unrolled.items():
             node = _find(merged, lid)
             if any(c != trips for c in node.loop.trip_counts.get(tid, ())):
-                return False
-        return True
+                return None
+        return merged
+
+    def covers(self, trace: Trace) -> bool:
+        return self.match(trace) is not None
 
     def drain(self) -> int:
         """Empty every channel (after a finished or cancelled run); returns how many elements."""

@@ -45,11 +45,11 @@ def _check(run, want_driven, want_lowerings=None):
 
 
 # ------------------------------------------------------------------------ (a) three paths
-def build_three_paths():
+def build_three_paths(adam=False):
     keras.utils.set_random_seed(1)
     s = State(d1=keras.layers.Dense(8, activation="relu"), d2=keras.layers.Dense(8, "tanh"),
               d3=keras.layers.Dense(8, "relu"), head=keras.layers.Dense(3),
-              opt=keras.optimizers.Adam(1e-2))
+              opt=keras.optimizers.Adam(1e-2) if adam else keras.optimizers.SGD(0.1, 0.9))
     x = tf.zeros((1, 5))
     s.head(s.d3(s.d1(x))), s.d2(x)
     s.opt.build([v for l in (s.d1, s.d2, s.d3, s.head) for v in l.trainable_variables])
@@ -70,11 +70,12 @@ def step_three_paths(s, x, y, path):
     return loss
 
 
-def test_three_python_chosen_paths_equal_eager():
+@pytest.mark.parametrize("adam", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_three_python_chosen_paths_equal_eager(adam):
     rng = np.random.default_rng(0)
     paths = [0, 1, 2, 0] + list(rng.integers(0, 3, size=6))
     configs = [(*_data(rng), int(p)) for p in paths]
-    run = twin_run(build_three_paths, step_three_paths, configs,
+    run = twin_run(lambda: build_three_paths(adam), step_three_paths, configs,
                    variables=lambda s: s.variables)
     _check(run, 6, 1)
     assert run.lowered.stats["switch_case_ops"] >= 1
@@ -215,7 +216,7 @@ def test_recursion_over_three_tree_shapes():
 def build_roundtrip():
     keras.utils.set_random_seed(4)
     s = State(d1=keras.layers.Dense(6, "tanh"), head=keras.layers.Dense(3),
-              opt=keras.optimizers.Adam(1e-2))
+              opt=keras.optimizers.SGD(0.1, momentum=0.9))
     s.head(s.d1(tf.zeros((1, 5))))
     s.opt.build(s.d1.trainable_variables + s.head.trainable_variables)
     return s
