@@ -284,3 +284,49 @@ def test_two_tapes_in_one_step():
                 tf.constant(rng.normal(size=(4, 5)).astype("float32")), f) for f in flags]
     run = twin_run(build_gan, step_gan, configs, variables=lambda s: s.variables)
     _check(run, 4, 1)
+
+
+# ------------------------------------------------------------------ growth with traces (docs)
+def _growth(build, step, configs):
+    """Rows (traces, nodes, switch-cases, switch_case ops, while ops, TF ops, build s) after
+    merging each trace of `configs` the current lowered graph does not cover."""
+    from terra.compiler.drive import record
+    from terra.compiler.lower import lower
+    from terra.compiler.merge import merge
+    s, g, traces, rows, lw = build(), None, [], [], None
+    for cfg in configs:
+        t, _ = record(step, s, *cfg)
+        if lw is not None and lw.covers(t):
+            continue
+        g = merge(g, t)
+        traces.append(t)
+        lw = lower(g, traces)
+        st = lw.stats
+        rows.append((len(traces), st["nodes"], st["switch_cases"], st["switch_case_ops"],
+                     st["while_ops"], st["tf_ops"], round(lw.build_seconds, 2)))
+    return rows
+
+
+@pytest.mark.slow
+def test_growth_with_number_of_traces():
+    rng = np.random.default_rng(20)
+    programs = {
+        "three paths (SGD)": (lambda: build_three_paths(False), step_three_paths,
+                              [(*_data(rng), p) for p in (0, 1, 2)]),
+        "trip count 1..4 (tape)": (build_cell, step_trip_count,
+                                   [(*_data(rng), n) for n in (1, 2, 3, 4)]),
+        "tree recursion": (build_tree, step_tree,
+                           [(tf.constant(rng.normal(size=(4, 3)).astype("float32")),
+                             tf.constant([1], "int32"), k) for k in (0, 1, 2)]),
+        "two tapes, G every other step": (build_gan, step_gan,
+                                          [(tf.zeros((4, 3)), tf.zeros((4, 5)), f)
+                                           for f in (True, False)]),
+        "inference loop (while)": (build_cell, step_infer_loop,
+                                   [(_data(rng)[0], n) for n in (2, 3, 5)]),
+    }
+    for name, (build, step, cfgs) in programs.items():
+        rows = _growth(build, step, cfgs)
+        for r in rows:
+            print(f"| {name} | " + " | ".join(map(str, r)) + " |")
+        nodes = [r[1] for r in rows]
+        assert nodes == sorted(nodes) and rows
