@@ -226,8 +226,8 @@ def step_roundtrip(s, x, y, scale):
     params = s.d1.trainable_variables + s.head.trainable_variables
     with tf.GradientTape() as tape:
         h = s.d1(x)
-        fed = tf.constant(np.tanh(h.numpy()) * scale)  # processed in NumPy, fed back
-        loss = CE(y, s.head(fed)) + tf.reduce_mean(tf.square(h))
+        fed = np.tanh(h.numpy()) * scale  # processed in NumPy, fed back
+        loss = CE(y, s.head(tf.constant(fed))) + tf.reduce_mean(tf.square(h))
     s.opt.apply_gradients(zip(tape.gradient(loss, params), params))
     float(loss)
     return loss, fed, scale

@@ -41,8 +41,9 @@ def step_stress(s, x, paths):
     fed = []
     for p in paths:
         k = h.numpy()  # fetch ...
-        c = tf.constant(_next_feed(k, p))  # ... and feed back what NumPy made of it
-        fed.append((c, p))
+        arr = _next_feed(k, p)
+        c = tf.constant(arr)  # ... and feed back what NumPy made of it
+        fed.append((arr, p))
         if p == 0:
             h = tf.tanh(h) * c + s.w
         else:
