@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
-
 import tensorflow as tf
 
 from terra import _tf_private as tfp
@@ -48,8 +46,8 @@ from terra.compiler import replay as _replay
 from terra.compiler.case_assignment import assign_cases
 from terra.compiler.merge import _shape as _merge_shape  # what `covers` compares
 from terra.compiler.merge import merge
-from terra.ir.records import ConstRef, FeedRef, Trace, VariableRef
-from terra.ir.trace_graph import (LOOP, OP, Carried, IterFeed, NodeOut, Phi, Prev, TraceGraph)
+from terra.ir.records import ConstRef, FeedRef, TensorSpec, Trace, VariableRef
+from terra.ir.trace_graph import LOOP, Carried, IterFeed, NodeOut, Phi, Prev, TraceGraph
 from terra.runtime.channels import FeedChannel, FetchChannel
 
 __all__ = ["lower", "Lowered", "FeedPoint", "LevelPlan", "TOP", "op_name"]
@@ -306,7 +304,7 @@ class _Analysis:
         if kind == _PHI:
             pos, node = key[2], self.node[key[1]]
             phi = dict(node.phis)[pos]
-            return _relax([_spec_obj(*self.out_spec(o.source.node, o.source.index))
+            return _relax([TensorSpec(*self.out_spec(o.source.node, o.source.index))
                            for o in phi.options])
         if kind == _VAR:
             return self.out_spec(key[1][0], key[1][1])
@@ -343,11 +341,6 @@ class _Analysis:
             out += [(k, i) for k in self.phi_keys.get((n.id, i), ())]
             out += [(k, i) for k in self.var_keys.get((n.id, i), ())]
         return out
-
-
-def _spec_obj(dtype, shape):
-    from terra.ir.records import TensorSpec
-    return TensorSpec(dtype, shape)
 
 
 # ------------------------------------------------------------------------------ emission helpers
@@ -419,17 +412,17 @@ class _Builder(_replay._Builder):
     def __init__(self, variables, functions):
         self.trace = Trace("lowered", variables=variables, functions=functions)
         self.feeds, self.env = (), {}
-        self.consts, self._consts = {}, {}
+        self.consts, self._consts = {}, {}  # graph id -> (graph, {ConstRef: tensor})
 
     def value(self, ref, dtype=None):
         if isinstance(ref, _Ready):
             return ref.tensor
-        if isinstance(ref, ConstRef):  # constants are per (function) graph
-            key = (id(tf.compat.v1.get_default_graph()), ref)
-            if key not in self._consts:
-                self.consts = {}
-                self._consts[key] = super().value(ref, dtype)
-            return self._consts[key]
+        if isinstance(ref, ConstRef):  # replay caches constants; keep one cache per graph
+            g = tf.compat.v1.get_default_graph()
+            entry = self._consts.get(id(g))
+            if entry is None or entry[0] is not g:  # (the graph is kept, so ids stay unique)
+                entry = self._consts[id(g)] = (g, {})
+            self.consts = entry[1]
         return super().value(ref, dtype)
 
     def variable(self, ref: VariableRef, dtype):
@@ -496,8 +489,8 @@ class _Lowering:
 
     # ---- levels
     def level(self, lid, scope):
+        """Emit level `lid` (its switch-cases in order) into `scope`."""
         an, plan = self.an, self.an.plans[lid]
-        g = an.levels[lid]
         reads_after = [set() for _ in plan.switch_cases]
         later = set((_VAR, v) for v in an.vars.get(lid, ()))  # a body's end reads its variables
         for k in range(len(plan.switch_cases) - 1, -1, -1):
@@ -512,7 +505,6 @@ class _Lowering:
                         self.node(an.node[n], scope)
                 continue
             self.switch_case(lid, k, sc, plan.default[k], reads_after[k], scope)
-        del g
 
     def switch_case(self, lid, k, sc, default, needed, scope):
         an = self.an

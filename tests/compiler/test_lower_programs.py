@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from terra.compiler.drive import all_variables, drive, remap_variables, twin_run  # noqa: E402
+from terra.compiler.drive import all_variables, twin_run  # noqa: E402
 
 CE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
