@@ -91,6 +91,7 @@ def test_graph_from_n_traces_replays_each_recorded_path():
     run = twin_run(build_three_paths, step_three_paths, configs,
                    variables=lambda s: s.variables)
     assert len(run.traces) == 3 and run.lowerings == 1
+    assert all(run.lowered.covers(t) for t in run.traces)
     assert [c[2] for c in run.configs_driven] == [2, 0, 1]
 
 

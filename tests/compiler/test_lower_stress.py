@@ -18,7 +18,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from terra.compiler.drive import GraphRunnerNoGrappler, record, twin_run  # noqa: E402
+from terra.compiler.drive import (GraphRunnerNoGrappler, drive, record,  # noqa: E402
+                                  remap_variables, twin_run, variable_keys)
 from terra.compiler.lower import lower  # noqa: E402
 from terra.compiler.merge import merge  # noqa: E402
 from terra.runtime.errors import TerraTimeoutError  # noqa: E402
@@ -134,3 +135,14 @@ def test_a_wait_that_cannot_be_served_fails_in_bounded_time():
     runner.cancel(timeout=10)
     assert run.done and run.state == "cancelled"
     lw.drain()
+    # the same graph and channels then run a full iteration, equal to eager on a twin
+    twin = Vars()
+    for a, b in zip(twin.variables, s.variables):
+        a.assign(b)
+    x = tf.constant(rng.normal(size=(2, 3)).astype("float32"))
+    t, (loss, _) = record(step_stress, twin, x, [0, 1])
+    t = remap_variables(t, dict(zip(variable_keys(twin.variables), variable_keys(s.variables))))
+    res = drive(lw, t, runner=runner, timeout=20)
+    assert loss.numpy() in [v for v in res.fetched.values() if v.shape == ()]
+    for a, b in zip(twin.variables, s.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
