@@ -1,1 +1,4 @@
-"""Compiler passes: merge (traces -> TraceGraph), case assignment (Algorithm 1), lowering."""
+"""Compiler passes: merge (traces -> TraceGraph), case assignment (Algorithm 1), replay, lowering."""
+from terra.compiler.replay import ReplayFunction, compile_trace, substitute_feeds
+
+__all__ = ["ReplayFunction", "compile_trace", "substitute_feeds"]

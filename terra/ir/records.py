@@ -168,7 +168,8 @@ class Trace:
 
     `variables` maps VariableRef keys to the live variable objects; `feed_values` holds this
     iteration's value for each feed slot (used to replay and to compare). `unsupported` lists op
-    types the recorder could not represent: a trace with any is not compiled.
+    types the recorder could not represent: a trace with any is not compiled. `functions`,
+    `unseeded_random` and `fast_fallbacks` are described where they are declared.
     """
     site: str
     records: list = field(default_factory=list)
@@ -177,6 +178,12 @@ class Trace:
     fetches: list = field(default_factory=list)
     variables: dict = field(default_factory=dict)
     unsupported: list = field(default_factory=list)
+    # Optional, added for replay and skip mode (empty by default):
+    functions: dict = field(default_factory=dict)        # function name -> callable function object
+    unseeded_random: list = field(default_factory=list)  # indices of stateful random ops without a
+    #                                                      generator: graph replay cannot reproduce them
+    fast_fallbacks: list = field(default_factory=list)   # indices of records whose fast-path attempt
+    #                                                      raised the fallback exception first
 
     def __len__(self) -> int:
         return len(self.records)

@@ -1,0 +1,285 @@
+"""The dispatch hook: the one place that patches TensorFlow.
+
+Once installed, every eager op reaches the active `Interceptor` *before* its inputs are converted,
+through the four entry points TF dispatches on (the C fast path, `execute.quick_execute`,
+`execute.execute`, `execute.execute_with_cancellation`), plus the places Python pulls values out of
+tensors (fetch points), converts Python values to tensors, reads variable handles, and calls
+concrete functions. The interceptor decides what an op does: `run()` executes it the normal way
+(the recorder records the result); a skip-mode runtime may instead return placeholders.
+
+Only the thread that called `activate` is intercepted. When nothing is active every patched entry
+point costs one global load and an `is None` test before calling the original.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable
+
+from terra import _tf_private as tfp
+
+_get_ident = threading.get_ident
+
+# Mutable hook state (module globals: the cheapest possible check on the hot path).
+_active: "Interceptor | None" = None   # the interceptor of the running iteration
+_thread: int | None = None             # the thread it runs on
+_busy = False                          # inside interceptor code: nested calls pass straight through
+_installs = 0                          # install() reference count
+_originals: dict = {}                  # (owner, attr) -> original object
+
+
+class Interceptor:
+    """What the hook calls while active. Subclass and override; the defaults just execute.
+
+    `op(op_type, inputs, attrs, route, run)`:
+      - route "fast": `inputs` holds one unconverted Python value per op_def input arg (a list for
+        list args), `attrs` the flat (name, value, ...) tuple of *non-inferred* attrs as given.
+        `run()` may raise `tfp.FallbackException`; TF then retries the same op on route
+        "fallback". A skip-mode runtime raises it itself to keep TF on the same route.
+      - route "fallback": `inputs` is the flat list of converted tensors, `attrs` the full attrs.
+      - route "function": `op_type` is the function name, `inputs` its flat tensor inputs.
+      Return what `run()` returns (a Tensor, a list of Tensors, or None) or a substitute.
+    """
+
+    def op(self, op_type: str, inputs, attrs: tuple, route: str, run: Callable[[], Any]) -> Any:
+        return run()
+
+    def fetch(self, tensor, how: str) -> None:
+        """Python is about to materialize `tensor` (`how`: numpy, bool, float, ...)."""
+
+    def converted(self, value, dtype, tensor) -> None:
+        """`value` (Python or NumPy) became eager tensor `tensor` without running an op."""
+
+    def variable_handle(self, variable, handle) -> None:
+        """Resource variable `variable` handed out its `handle` tensor."""
+
+    def function(self, fn) -> None:
+        """AtomicFunction `fn` is about to be called (its name is what `op` will see)."""
+
+
+def _intercepting() -> bool:
+    return _active is not None and not _busy and _get_ident() == _thread
+
+
+def _dispatch(ic, op_type, inputs, attrs, route, run):
+    global _busy
+    _busy = True
+    try:
+        return ic.op(op_type, inputs, attrs, route, run)
+    finally:
+        _busy = False
+
+
+def _notify(method, *args):
+    global _busy
+    _busy = True
+    try:
+        method(*args)
+    finally:
+        _busy = False
+
+
+# ------------------------------------------------------------------------------ op entry points
+_num_inputs_cache: dict = {}
+
+
+def _num_inputs(op_type: str) -> int:
+    n = _num_inputs_cache.get(op_type)
+    if n is None:
+        op_def = tfp.get_op_def(op_type)
+        n = _num_inputs_cache[op_type] = len(op_def.input_arg) if op_def is not None else 0
+    return n
+
+
+def _wrap_fast_path(orig):
+    def TFE_Py_FastPathExecute(ctx, op_name, name, *args):
+        if _active is None or _busy or _get_ident() != _thread:
+            return orig(ctx, op_name, name, *args)
+        n = _num_inputs(op_name)
+        return _dispatch(_active, op_name, args[:n], args[n:], "fast",
+                         lambda: orig(ctx, op_name, name, *args))
+    return TFE_Py_FastPathExecute
+
+
+def _route(op_name: str) -> str:
+    return "fallback" if tfp.get_op_def(op_name) is not None else "function"
+
+
+def _wrap_execute(orig):
+    def execute(op_name, num_outputs, inputs, attrs, ctx, name=None):
+        if _active is None or _busy or _get_ident() != _thread:
+            return orig(op_name, num_outputs, inputs, attrs, ctx, name)
+        op_type = op_name.decode() if isinstance(op_name, bytes) else op_name
+        return _dispatch(_active, op_type, inputs, attrs, _route(op_type),
+                         lambda: orig(op_name, num_outputs, inputs, attrs, ctx, name))
+    return execute
+
+
+def _wrap_execute_with_cancellation(orig):
+    def execute_with_cancellation(op_name, num_outputs, inputs, attrs, ctx, cancellation_manager,
+                                  name=None):
+        if _active is None or _busy or _get_ident() != _thread:
+            return orig(op_name, num_outputs, inputs, attrs, ctx, cancellation_manager, name)
+        op_type = op_name.decode() if isinstance(op_name, bytes) else op_name
+        return _dispatch(_active, op_type, inputs, attrs, _route(op_type),
+                         lambda: orig(op_name, num_outputs, inputs, attrs, ctx,
+                                      cancellation_manager, name))
+    return execute_with_cancellation
+
+
+def _wrap_call_flat(orig):
+    def call_flat(self, *args):
+        if _active is not None and not _busy and _get_ident() == _thread:
+            _notify(_active.function, self)
+        return orig(self, *args)
+    return call_flat
+
+
+# --------------------------------------------------------------------- values, handles, fetches
+def _wrap_convert(orig):
+    def convert_to_eager_tensor(value, ctx, dtype=None):
+        t = orig(value, ctx, dtype)
+        if _active is not None and not _busy and _get_ident() == _thread:
+            _notify(_active.converted, value, dtype, t)
+        return t
+    return convert_to_eager_tensor
+
+
+def _wrap_handle(orig):
+    fget = orig.fget
+
+    def handle(self):
+        h = fget(self)
+        if _active is not None and not _busy and _get_ident() == _thread:
+            _notify(_active.variable_handle, self, h)
+        return h
+    return property(handle, doc=orig.__doc__)
+
+
+def _wrap_fetch(how):
+    def factory(orig):
+        def fetch_point(self, *args, **kwargs):
+            global _busy
+            if _active is None or _busy or _get_ident() != _thread:
+                return orig(self, *args, **kwargs)
+            _busy = True
+            try:
+                _active.fetch(self, how)
+                return orig(self, *args, **kwargs)
+            finally:
+                _busy = False
+        fetch_point.__name__ = getattr(orig, "__name__", how)
+        return fetch_point
+    return factory
+
+
+def _wrap_constant_value(orig):
+    def constant_value(tensor, partial=False):
+        global _busy
+        if _active is None or _busy or _get_ident() != _thread:
+            return orig(tensor, partial)
+        _busy = True
+        try:
+            if isinstance(tensor, tfp.EagerTensorBase):
+                _active.fetch(tensor, "constant_value")
+            return orig(tensor, partial)
+        finally:
+            _busy = False
+    return constant_value
+
+
+# The patch table: (owner, attribute, wrapper factory). Order matters only for uninstall (reverse).
+FETCH_METHODS = {"numpy": "numpy", "__array__": "array", "__bool__": "bool", "__float__": "float",
+                 "__int__": "int", "__index__": "index", "__complex__": "complex",
+                 "__format__": "format", "__str__": "str"}
+
+
+def _patch_table():
+    table = [(tfp.pywrap_tfe_module, tfp.FAST_PATH_ATTR, _wrap_fast_path),
+             (tfp.execute_module, "quick_execute", _wrap_execute),
+             (tfp.execute_module, "execute", _wrap_execute),
+             (tfp.execute_module, "execute_with_cancellation", _wrap_execute_with_cancellation),
+             (tfp.AtomicFunction, "call_flat", _wrap_call_flat),
+             (tfp.constant_op_module, tfp.CONVERT_ATTR, _wrap_convert),
+             (tfp.tensor_util_module, tfp.CONSTANT_VALUE_ATTR, _wrap_constant_value),
+             (tfp.BaseResourceVariable, "handle", _wrap_handle)]
+    table += [(tfp.EagerTensorBase, m, _wrap_fetch(how)) for m, how in FETCH_METHODS.items()]
+    return table
+
+
+def _raw(owner, attr):
+    """The attribute as stored (a property object rather than its value for classes)."""
+    return owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+
+
+def patched_attributes() -> list:
+    """(owner, attribute) of everything `install` replaces."""
+    return [(owner, attr) for owner, attr, _ in _patch_table()]
+
+
+def install() -> None:
+    """Patch TF (reference counted: nested installs are cheap, the last uninstall restores)."""
+    global _installs
+    _installs += 1
+    if _installs > 1:
+        return
+    for owner, attr, factory in _patch_table():
+        orig = _raw(owner, attr)
+        _originals[(owner, attr)] = orig
+        setattr(owner, attr, factory(orig))
+
+
+def uninstall() -> None:
+    """Undo one `install`; the last one puts every original object back."""
+    global _installs
+    if _installs == 0:
+        raise RuntimeError("terra hook: uninstall() without install()")
+    _installs -= 1
+    if _installs:
+        return
+    if _active is not None:
+        raise RuntimeError("terra hook: uninstall() while an interceptor is active")
+    for owner, attr, _ in reversed(_patch_table()):
+        setattr(owner, attr, _originals.pop((owner, attr)))
+
+
+def installed() -> bool:
+    return _installs > 0
+
+
+def active() -> "Interceptor | None":
+    """The interceptor active on the calling thread, if any."""
+    return _active if _get_ident() == _thread else None
+
+
+def activate(interceptor: Interceptor) -> tuple:
+    """Route this thread's ops to `interceptor`; returns a token for `deactivate`."""
+    global _active, _thread
+    if not isinstance(interceptor, Interceptor):
+        raise TypeError(f"terra hook: expected an Interceptor, got {interceptor!r}")
+    if not _installs:
+        raise RuntimeError("terra hook: activate() before install()")
+    if _active is not None and _thread != _get_ident():
+        raise RuntimeError("terra hook: another thread is already being intercepted")
+    token = (_active, _thread)
+    _active, _thread = interceptor, _get_ident()
+    return token
+
+
+def deactivate(token: tuple) -> None:
+    global _active, _thread
+    _active, _thread = token
+
+
+@contextlib.contextmanager
+def intercepting(interceptor: Interceptor):
+    """`with intercepting(ic):` installs the hook, routes this thread's ops to `ic`, undoes both."""
+    install()
+    try:
+        token = activate(interceptor)
+        try:
+            yield interceptor
+        finally:
+            deactivate(token)
+    finally:
+        uninstall()

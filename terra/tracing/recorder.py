@@ -1,0 +1,500 @@
+"""The recorder: executes every op of an iteration eagerly and writes it down as a `Trace`.
+
+    with Recorder("train_step") as rec:
+        loss = step(x, y)
+    trace = rec.trace              # OpRecords, feeds, fetches, variables
+    loss_ref = rec.ref_of(loss)    # OutputRef of the record that produced `loss`
+
+Inputs become SSA refs: outputs of earlier records (`OutputRef`, by tensor identity: the recorder
+keeps recorded tensors alive, so ids cannot be reused), variables (`VariableRef`, by identity of
+the resource handle), small constants made from Python values in this iteration (`ConstRef`, by
+value), and everything else external (`FeedRef`: data, tensors from before the iteration, NumPy
+arrays, large constants). Anything the recorder cannot represent is named in `Trace.unsupported`
+(the iteration itself still ran eagerly, so nothing is lost but the chance to compile it).
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+from terra import _tf_private as tfp
+from terra.ir.records import (ConstRef, Feed, FeedRef, Fetch, OpRecord, OutputRef, TensorSpec,
+                              Trace, VariableRef)
+from terra.tracing import hook
+from terra.tracing.locations import Locator
+
+DEFAULT_CONST_LIMIT = 16
+
+# Stateful random ops that draw from the op's hidden seed state: graph replay cannot reproduce
+# them (Generator / SeedGenerator ops keep their state in variables and replay exactly).
+UNSEEDED_RANDOM_OPS = frozenset({
+    "RandomStandardNormal", "RandomUniform", "RandomUniformInt", "TruncatedNormal",
+    "Multinomial", "RandomShuffle", "RandomGamma", "RandomGammaGrad", "RandomPoisson",
+    "RandomPoissonV2", "ParameterizedTruncatedNormal", "RandomCrop", "RandomBinomial"})
+
+# Ops whose replay would create or destroy state instead of reusing it.
+STATE_CREATING_OPS = frozenset({"VarHandleOp", "DestroyResourceOp", "_VarHandlesOp",
+                                "AnonymousIteratorV2", "AnonymousIteratorV3", "IteratorV2"})
+
+UNREPLAYABLE_EXTERNAL_DTYPES = frozenset({"variant", "resource"})
+
+
+# ------------------------------------------------------------------------------- attr freezing
+def _shape(v):
+    s = tf.TensorShape(v)
+    return None if s.rank is None else tuple(s.as_list())
+
+
+def _string(v):
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _dtype_name(v) -> str:
+    return tf.as_dtype(v).name
+
+
+_FREEZE = {
+    "type": _dtype_name,
+    "list(type)": lambda v: tuple(_dtype_name(x) for x in v),
+    "shape": _shape,
+    "list(shape)": lambda v: tuple(_shape(x) for x in v),
+    "int": int, "float": float, "bool": bool, "string": _string,
+    "list(int)": lambda v: tuple(int(x) for x in v),
+    "list(float)": lambda v: tuple(float(x) for x in v),
+    "list(bool)": lambda v: tuple(bool(x) for x in v),
+    "list(string)": lambda v: tuple(_string(x) for x in v),
+}
+
+
+def freeze_attr(attr_type: str, value):
+    """Canonical hashable form of an attr value of op_def type `attr_type`; raises TypeError for
+    types Terra does not replay (func, tensor, ...)."""
+    f = _FREEZE.get(attr_type)
+    if f is None:
+        raise TypeError(f"attr type {attr_type!r} is not supported")
+    return f(value)
+
+
+def _from_proto(av, attr_type: str):
+    """Python value of an AttrValue proto (op_def defaults)."""
+    kind = av.WhichOneof("value")
+    if kind == "list":
+        field = {"list(int)": "i", "list(float)": "f", "list(bool)": "b", "list(string)": "s",
+                 "list(type)": "type", "list(shape)": "shape"}.get(attr_type)
+        if field is None:
+            raise TypeError(f"attr type {attr_type!r} is not supported")
+        return freeze_attr(attr_type, list(getattr(av.list, field)))
+    if kind == "shape":
+        return None if av.shape.unknown_rank else tuple(
+            None if d.size < 0 else d.size for d in av.shape.dim)
+    if kind in ("i", "f", "b", "s", "type"):
+        return freeze_attr(attr_type, getattr(av, kind))
+    raise TypeError(f"attr type {attr_type!r} is not supported")
+
+
+def _pairs(flat) -> list:
+    return [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+
+
+def _python_dtype(v) -> str:
+    """Dtype TF picks when converting a Python value without a requested dtype."""
+    a = np.asarray(v)
+    if a.dtype == np.float64:
+        return "float32"
+    if a.dtype == np.int64:
+        return "int32" if a.size == 0 or (np.abs(a) < 2 ** 31).all() else "int64"
+    if a.dtype.kind in "US":
+        return "string"
+    return tf.as_dtype(a.dtype).name
+
+
+def _frozen_value(value, dtype: str):
+    """Hashable by-value form of a small constant (nested tuples of Python scalars)."""
+    if dtype == "string":
+        a = np.asarray(value, dtype=object)
+        conv = np.vectorize(lambda s: s.encode() if isinstance(s, str) else bytes(s), otypes=[object])
+        a = conv(a) if a.size else a
+    else:
+        a = np.asarray(value, dtype=tf.as_dtype(dtype).as_numpy_dtype)
+
+    def tup(x):
+        return tuple(tup(e) for e in x) if isinstance(x, list) else x
+    return tup(a.tolist())
+
+
+def _is_python_value(v) -> bool:
+    if isinstance(v, (bool, int, float, complex, str, bytes, np.generic)):
+        return True
+    if isinstance(v, (list, tuple)):
+        return all(_is_python_value(e) for e in v)
+    return False
+
+
+def _flat_outputs(result) -> list:
+    if result is None:
+        return []
+    if isinstance(result, (list, tuple)):
+        return list(result)
+    return [result]
+
+
+def _spec(t) -> TensorSpec:
+    shape = t.shape
+    return TensorSpec(t.dtype.name, None if shape.rank is None else tuple(shape.as_list()))
+
+
+class _Unsupported(Exception):
+    """Raised inside the recorder when an op cannot be represented; the op still ran eagerly."""
+
+
+# ---------------------------------------------------------------------------------- the recorder
+class Recorder(hook.Interceptor):
+    """Records one iteration on the calling thread. See the module docstring for the model.
+
+    Recorder(site="iteration", *, const_limit=16, track_loops=True)
+      start(root_frame=None)  begin recording; locations are relative to `root_frame` (default:
+                              the caller's frame); loops running at that point are not counted.
+      stop() -> Trace         stop recording (the hook is uninstalled when no one else uses it).
+      with Recorder(...) as rec: ...   same as start()/stop().
+      ref_of(tensor) -> OutputRef | None   which record produced this eager tensor.
+      value(ref) -> EagerTensor            the recorded value of an OutputRef.
+    """
+
+    def __init__(self, site: str = "iteration", *, const_limit: int = DEFAULT_CONST_LIMIT,
+                 track_loops: bool = True):
+        if not isinstance(site, str):
+            raise TypeError(f"Recorder: site must be a str, got {site!r}")
+        if not isinstance(const_limit, int) or const_limit < 0:
+            raise ValueError(f"Recorder: const_limit must be a non-negative int, got {const_limit!r}")
+        self.trace = Trace(site)
+        self.const_limit = const_limit
+        self.track_loops = track_loops
+        self._produced: dict = {}   # id(tensor) -> (tensor, OutputRef)
+        self._born: dict = {}       # id(tensor) -> (tensor, python value): converted this iteration
+        self._feeds: dict = {}      # id(obj) -> (obj, FeedRef)
+        self._handles: dict = {}    # id(handle) -> (handle, variable or None)
+        self._functions: dict = {}  # name -> AtomicFunction seen via call_flat
+        self._fast_failed: str | None = None
+        self._locator = None
+        self._token = None
+        self.recording = False
+
+    # ---------------------------------------------------------------------------- lifecycle
+    def start(self, root_frame=None) -> "Recorder":
+        if self.recording:
+            raise RuntimeError("Recorder.start(): already recording")
+        root = sys._getframe(1) if root_frame is None else root_frame
+        hook.install()
+        try:
+            self._token = hook.activate(self)
+        except Exception:
+            hook.uninstall()
+            raise
+        self._locator = Locator(root, track_loops=self.track_loops)
+        self.recording = True
+        return self
+
+    def stop(self) -> Trace:
+        if not self.recording:
+            raise RuntimeError("Recorder.stop(): not recording")
+        self.recording = False
+        self._locator.close()
+        hook.deactivate(self._token)
+        hook.uninstall()
+        self._born.clear()
+        return self.trace
+
+    def __enter__(self) -> "Recorder":
+        return self.start(sys._getframe(1))
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---------------------------------------------------------------------------- queries
+    def ref_of(self, tensor):
+        entry = self._produced.get(id(tensor))
+        return entry[1] if entry is not None and entry[0] is tensor else None
+
+    def value(self, ref: OutputRef):
+        for t, r in self._produced.values():
+            if r == ref:
+                return t
+        raise KeyError(f"Recorder.value: no recorded tensor for {ref!r}")
+
+    # ---------------------------------------------------------------------- hook callbacks
+    def converted(self, value, dtype, tensor) -> None:
+        self._born[id(tensor)] = (tensor, value)
+
+    def variable_handle(self, variable, handle) -> None:
+        self._handles[id(handle)] = (handle, variable)
+
+    def function(self, fn) -> None:
+        self._functions[tfp.atomic_function_name(fn)] = fn
+
+    def fetch(self, tensor, how: str) -> None:
+        ref = self.ref_of(tensor)
+        if ref is not None:
+            self.trace.fetches.append(Fetch(ref, len(self.trace.records), how))
+
+    def op(self, op_type, inputs, attrs, route, run):
+        location = self._locator.location()
+        try:
+            result = run()
+        except tfp.FallbackException:
+            self._fast_failed = op_type
+            raise
+        fast_failed = self._fast_failed
+        if route == "fallback" and fast_failed is not None:  # ops in between are its conversions
+            self._fast_failed = None
+        try:
+            self._record(op_type, inputs, attrs, route, result, location)
+        except Exception as e:  # never let bookkeeping break the user's iteration
+            self._record_unsupported(op_type, route, result, location, f"{type(e).__name__}: {e}")
+        if fast_failed == op_type and route == "fallback":
+            self.trace.fast_fallbacks.append(len(self.trace.records) - 1)
+        return result
+
+    # ------------------------------------------------------------------------- recording
+    def _record(self, op_type, inputs, attrs, route, result, location) -> None:
+        trace = self.trace
+        index = len(trace.records)
+        self._problems = []
+        outputs = _flat_outputs(result)
+        function = None
+        if route == "function":
+            fn = self._functions.get(op_type)
+            if fn is None:
+                self._problems.append("unknown function")
+            else:
+                trace.functions[op_type] = fn
+            function = op_type
+            refs = tuple(self._ref(v, None) for v in inputs)
+            frozen = tuple(sorted(_pairs(attrs)))
+        else:
+            op_def = tfp.get_op_def(op_type)
+            if op_def is None:
+                raise _Unsupported("no op definition")
+            if route == "fast":
+                per_arg = list(inputs)
+                full = self._fast_attrs(op_def, per_arg, attrs, outputs)
+            else:
+                full = self._frozen_attrs(op_def, _pairs(attrs))
+                per_arg = _regroup(op_def, list(inputs), full)
+            refs = tuple(self._arg_refs(arg, v, full) for arg, v in zip(op_def.input_arg, per_arg))
+            frozen = tuple(sorted(full.items()))
+            if op_type in STATE_CREATING_OPS:
+                self._problems.append("creates state")
+            if op_type in UNSEEDED_RANDOM_OPS:
+                trace.unseeded_random.append(index)
+                warnings.warn(f"terra: {op_type} (stateful random op without a Generator) at "
+                              f"{location!r}: a replayed graph draws different numbers; use "
+                              f"tf.random.Generator or keras.random.SeedGenerator", RuntimeWarning)
+        rec = OpRecord(index, op_type, frozen, refs, tuple(_spec(t) for t in outputs), location,
+                       route, function)
+        self._add(rec, outputs)
+        for problem in self._problems:
+            trace.unsupported.append(f"{op_type}: {problem}")
+
+    def _record_unsupported(self, op_type, route, result, location, why) -> None:
+        outputs = _flat_outputs(result)
+        specs = []
+        for t in outputs:
+            try:
+                specs.append(_spec(t))
+            except Exception:  # not a tensor at all
+                specs.append(TensorSpec("unknown", None))
+        rec = OpRecord(len(self.trace.records), op_type, (), (), tuple(specs), location, route,
+                       op_type if route == "function" else None)
+        self._add(rec, [t for t in outputs if isinstance(t, tfp.EagerTensorBase)])
+        self.trace.unsupported.append(f"{op_type}: {why}")
+
+    def _add(self, rec: OpRecord, outputs) -> None:
+        self.trace.records.append(rec)
+        for j, t in enumerate(outputs):
+            self._produced[id(t)] = (t, OutputRef(rec.index, j))
+
+    # ------------------------------------------------------------------------------ attrs
+    def _frozen_attrs(self, op_def, pairs, defaults: bool = True) -> dict:
+        types = {a.name: a.type for a in op_def.attr}
+        full = {}
+        for name, value in pairs:
+            attr_type = types.get(name)
+            if attr_type is None:
+                raise _Unsupported(f"unknown attr {name!r}")
+            if value is None and attr_type != "shape":
+                continue  # None means "the default" (e.g. Squeeze's axis)
+            full[name] = freeze_attr(attr_type, value)
+        if not defaults:
+            return full
+        for a in op_def.attr:  # defaults the caller left out
+            if a.name not in full and a.HasField("default_value"):
+                full[a.name] = _from_proto(a.default_value, a.type)
+        return full
+
+    def _fast_attrs(self, op_def, per_arg, attrs, outputs) -> dict:
+        """The fast path passes only non-inferred attrs: infer the rest from inputs and outputs."""
+        full = self._frozen_attrs(op_def, _pairs(attrs), defaults=False)
+        for arg, v in zip(op_def.input_arg, per_arg):
+            if arg.number_attr:
+                full.setdefault(arg.number_attr, len(v))
+            if arg.type_list_attr:
+                full.setdefault(arg.type_list_attr, tuple(self._dtype_of(e, arg) for e in v))
+            if arg.type_attr and arg.type_attr not in full:
+                d = self._tensor_dtype(v)
+                if d is not None:
+                    full[arg.type_attr] = d
+        # Outputs are authoritative for the attrs they depend on.
+        pos = 0
+        for arg in op_def.output_arg:
+            n = 1
+            if arg.number_attr:
+                n = full.get(arg.number_attr, 1)
+            elif arg.type_list_attr:
+                n = len(full.get(arg.type_list_attr, ()))
+            group = outputs[pos:pos + n]
+            if arg.type_attr and group:
+                full[arg.type_attr] = group[0].dtype.name
+            pos += n
+        for arg, v in zip(op_def.input_arg, per_arg):  # Python-only inputs: TF's default dtype
+            if arg.type_attr and arg.type_attr not in full:
+                full[arg.type_attr] = _python_dtype(v)
+        for a in op_def.attr:
+            if a.name not in full and a.HasField("default_value"):
+                full[a.name] = _from_proto(a.default_value, a.type)
+        return full
+
+    def _tensor_dtype(self, v):
+        items = v if isinstance(v, (list, tuple)) else [v]
+        for e in items:
+            if isinstance(e, tfp.EagerTensorBase):
+                return e.dtype.name
+            if isinstance(e, tfp.BaseResourceVariable):
+                return e.dtype.name
+            if isinstance(e, np.ndarray):
+                return tf.as_dtype(e.dtype).name
+        return None
+
+    def _dtype_of(self, e, arg) -> str:
+        d = self._tensor_dtype(e)
+        return d if d is not None else _python_dtype(e)
+
+    # ------------------------------------------------------------------------------- refs
+    def _arg_refs(self, arg, value, full):
+        if arg.number_attr or arg.type_list_attr:
+            dtypes = (full[arg.type_list_attr] if arg.type_list_attr
+                      else [_arg_dtype(arg, full)] * len(value))
+            return tuple(self._ref(e, d) for e, d in zip(value, dtypes))
+        return self._ref(value, _arg_dtype(arg, full))
+
+    def _ref(self, v, dtype):
+        """Ref for one input value; `dtype` is what the op expects (None: take the value's)."""
+        if isinstance(v, tfp.EagerTensorBase):
+            entry = self._produced.get(id(v))
+            if entry is not None and entry[0] is v:
+                return entry[1]
+            if v.dtype.name == "resource":
+                return self._variable(v)
+            born = self._born.get(id(v))
+            if born is not None and born[0] is v and _is_python_value(born[1]):
+                if v.shape.num_elements() <= self.const_limit and v.dtype.name != "string" or \
+                        v.dtype.name == "string" and v.shape.rank == 0:
+                    return ConstRef(_frozen_value(born[1], v.dtype.name), v.dtype.name)
+                return self._feed(v, _spec(v), "python-constant")
+            source = "numpy" if born is not None and born[0] is v else "eager-tensor"
+            return self._feed(v, _spec(v), source)
+        if isinstance(v, tfp.BaseResourceVariable):
+            return self._variable(v.handle)
+        if isinstance(v, np.ndarray):
+            d = dtype or tf.as_dtype(v.dtype).name
+            return self._feed(v, TensorSpec(d, tuple(v.shape)), "numpy")
+        if _is_python_value(v):
+            d = dtype or _python_dtype(v)
+            a = np.asarray(v)
+            if a.size <= self.const_limit:
+                return ConstRef(_frozen_value(v, d), d)
+            return self._feed(v, TensorSpec(d, tuple(a.shape)), "python-constant")
+        raise _Unsupported(f"input of type {type(v).__name__}")
+
+    def _feed(self, obj, spec: TensorSpec, source: str) -> FeedRef:
+        entry = self._feeds.get(id(obj))
+        if entry is not None and entry[0] is obj:
+            return entry[1]
+        if spec.dtype in UNREPLAYABLE_EXTERNAL_DTYPES:
+            self._problems.append(f"external {spec.dtype} input")
+        trace = self.trace
+        ref = FeedRef(len(trace.feeds))
+        trace.feeds.append(Feed(ref.slot, spec, source))
+        trace.feed_values.append(obj)
+        self._feeds[id(obj)] = (obj, ref)
+        return ref
+
+    def _variable(self, handle) -> VariableRef:
+        key = id(handle)
+        var = self.trace.variables.get(key)
+        if var is None:
+            entry = self._handles.get(key)
+            var = entry[1] if entry is not None and entry[0] is handle else _owner_of_handle(handle)
+            if var is None:  # a resource no variable owns: keep the handle itself (captured)
+                var = handle
+            self._handles[key] = (handle, var)
+            self.trace.variables[key] = var
+        return VariableRef(key)
+
+
+def _arg_dtype(arg, full):
+    if arg.type_attr:
+        return full.get(arg.type_attr)
+    if arg.type:
+        return tf.as_dtype(arg.type).name
+    return None
+
+
+def _regroup(op_def, flat, full) -> list:
+    """Flat fallback-route inputs -> one entry per op_def input arg (lists for list args)."""
+    out, pos = [], 0
+    for arg in op_def.input_arg:
+        if arg.number_attr:
+            n = full[arg.number_attr]
+            out.append(flat[pos:pos + n])
+            pos += n
+        elif arg.type_list_attr:
+            n = len(full[arg.type_list_attr])
+            out.append(flat[pos:pos + n])
+            pos += n
+        else:
+            out.append(flat[pos])
+            pos += 1
+    if pos != len(flat):
+        raise _Unsupported(f"{len(flat)} flat inputs do not match the op definition")
+    return out
+
+
+def _owner_of_handle(handle):
+    """The resource variable whose handle is `handle` (for handles captured by functions, which
+    never pass through the `handle` property while recording). Slow (a gc scan); the recorder
+    caches the answer per handle."""
+    found = None
+    for ref in gc.get_referrers(handle):
+        if isinstance(ref, dict) and ref.get("_handle") is handle:
+            for owner in gc.get_referrers(ref):
+                if isinstance(owner, tfp.BaseResourceVariable) and owner.__dict__ is ref:
+                    found = owner
+                    break
+        if found is not None:
+            break
+    return found
+
+
+def record(fn, *args, site: str | None = None, **kwargs):
+    """Run `fn(*args, **kwargs)` once while recording; returns (result, recorder)."""
+    rec = Recorder(site or getattr(fn, "__qualname__", "iteration"))
+    rec.start(sys._getframe(0))
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        rec.stop()
+    return result, rec

@@ -1,0 +1,177 @@
+"""The dispatch hook: completeness against op_callbacks, clean install/uninstall, thread scope,
+and an interceptor that skips ops."""
+import os
+import threading
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.framework import op_callbacks
+
+from terra import _tf_private as tfp
+from terra.tracing import Recorder, hook
+
+
+def _attr_identities():
+    return {(getattr(o, "__name__", o), a): hook._raw(o, a) for o, a in hook.patched_attributes()}
+
+
+def test_install_uninstall_restores_every_attribute():
+    before = _attr_identities()
+    hook.install()
+    hook.install()
+    during = _attr_identities()
+    assert all(during[k] is not before[k] for k in before)
+    hook.uninstall()
+    assert all(_attr_identities()[k] is during[k] for k in before)  # still installed once
+    hook.uninstall()
+    after = _attr_identities()
+    assert all(after[k] is before[k] for k in before)
+    assert not hook.installed()
+    with pytest.raises(RuntimeError):
+        hook.uninstall()
+
+
+def test_activate_rejects_bad_interceptor_and_needs_install():
+    with pytest.raises(RuntimeError, match="before install"):
+        hook.activate(hook.Interceptor())
+    hook.install()
+    try:
+        with pytest.raises(TypeError, match="Interceptor"):
+            hook.activate(object())
+    finally:
+        hook.uninstall()
+
+
+class _Log(hook.Interceptor):
+    def __init__(self):
+        self.ops = []
+
+    def op(self, op_type, inputs, attrs, route, run):
+        self.ops.append((op_type, route))
+        return run()
+
+
+def test_only_the_activating_thread_is_intercepted():
+    log = _Log()
+    other = []
+
+    def work():
+        other.append(tf.add(tf.constant(1.0), 2.0).numpy())
+    with hook.intercepting(log):
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        tf.multiply(tf.constant(3.0), 2.0)
+    assert other == [3.0]
+    assert [op for op, _ in log.ops] == ["Mul"]
+
+
+def test_skipping_interceptor_returns_substitutes():
+    class Skip(hook.Interceptor):
+        def op(self, op_type, inputs, attrs, route, run):
+            return tf.constant(42.0) if op_type == "AddV2" else run()
+    x = tf.constant(1.0)
+    with hook.intercepting(Skip()):
+        y = x + 1.0
+        z = y * 2.0
+    assert float(y) == 42.0 and float(z) == 84.0
+    assert float(x + 1.0) == 2.0
+
+
+def _training_program():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, activation="relu"),
+                              keras.layers.Dense(3)])
+    opt = keras.optimizers.Adam(1e-2)
+    model(tf.zeros((1, 4)))
+    opt.build(model.trainable_variables)
+    gen = tf.random.Generator.from_seed(3)
+    counter = tf.Variable(0.0)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def scale(t):
+        return t * 0.5 + 1.0
+
+    def step(x, y):
+        noise = gen.normal(x.shape)
+        with tf.GradientTape() as tape:
+            logits = model(x + 0.01 * noise, training=True)
+            loss = loss_fn(y, scale(logits))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        counter.assign_add(counter.read_value() * 0.0 + 1.0)
+        return loss
+    x = tf.constant(np.arange(20, dtype="float32").reshape(5, 4) / 20)
+    y = tf.constant([0, 1, 2, 1, 0])
+    return step, x, y
+
+
+def _callback_ops():
+    seen = []
+
+    def cb(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if graph is None:
+            seen.append(op_type.decode() if isinstance(op_type, bytes) else op_type)
+    return seen, cb
+
+
+def test_hook_sees_every_op_of_a_keras_training_step():
+    step, x, y = _training_program()
+    step(x, y)  # warm up: trace the tf.function, build everything
+
+    # 1. Simultaneously: every op op_callbacks reports, in order, is a record.
+    seen, cb = _callback_ops()
+    with Recorder("step") as rec:
+        op_callbacks.add_op_callback(cb)
+        try:
+            step(x, y)
+        finally:
+            op_callbacks.remove_op_callback(cb)
+    recorded = [r.op_type for r in rec.trace.records]
+    assert recorded == seen
+    assert len(recorded) > 100
+
+    # 2. Without callbacks (the fast path stays on): the same op sequence as a callback run.
+    with Recorder("step") as rec2:
+        step(x, y)
+    seen2, cb2 = _callback_ops()
+    op_callbacks.add_op_callback(cb2)
+    try:
+        step(x, y)
+    finally:
+        op_callbacks.remove_op_callback(cb2)
+    assert [r.op_type for r in rec2.trace.records] == seen2
+    routes = {r.route for r in rec2.trace.records}
+    assert routes == {"fast", "fallback", "function"}
+    types = set(seen2)
+    assert {"MatMul", "ResourceApplyAdam"} & types or {"MatMul", "AssignVariableOp"} <= types
+    assert {"RngReadAndSkip", "StatelessRandomNormalV2"} <= types
+    assert any(t.startswith("__inference_scale") or t.startswith("__forward_scale") for t in types)
+    assert any("backward_scale" in t for t in types)
+    assert {"ReadVariableOp", "AssignAddVariableOp"} <= types
+    assert not rec2.trace.unsupported
+    assert not hook.installed()
+
+
+def test_fast_path_fallback_is_noted():
+    v = keras.Variable(np.ones(3, "float32"))
+    with Recorder() as rec:
+        tf.raw_ops.AddV2(x=v, y=tf.constant([1.0, 2.0, 3.0]))
+    ops = [(r.op_type, r.route) for r in rec.trace.records]
+    assert ops[-1] == ("AddV2", "fallback")
+    assert rec.trace.fast_fallbacks == [len(ops) - 1]
+
+
+def test_idle_hook_keeps_results():
+    hook.install()
+    try:
+        assert tfp.pywrap_tfe_module.TFE_Py_FastPathExecute.__name__ == "TFE_Py_FastPathExecute"
+        assert float(tf.add(tf.constant(2.0), 3.0)) == 5.0
+        assert np.asarray(tf.constant([1, 2])).tolist() == [1, 2]
+    finally:
+        hook.uninstall()
