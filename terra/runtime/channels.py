@@ -1,0 +1,297 @@
+"""Feed and fetch channels between the Python side and a running graph.
+
+Both are `tf.queue.FIFOQueue`s created eagerly and captured by the graph function:
+- `FeedChannel` (Input-Feeding, Case-Select, Loop-Cond): Python `put`s eagerly, the graph dequeues
+  with `dequeue_op()` and blocks (inside the graph, GIL released) until Python has fed.
+- `FetchChannel` (Output-Fetching): the graph runs `enqueue_op(t)`, Python `get`s.
+
+No Python-side wait blocks unboundedly: `get` polls the queue's size with a short spin and an
+exponential sleep backoff (a blocking eager dequeue could neither time out nor be interrupted by
+Ctrl-C, since the GIL-free C++ wait does not return to the interpreter), and raises
+`TerraTimeoutError` naming the channel when the bound is reached. While it polls it also calls a
+`watch` callable (the graph runner's `check`), so a failed or cancelled graph is reported at once
+instead of after the timeout.
+
+Stall accounting: a timed `dequeue_op` brackets the dequeue with two `tf.timestamp` ops (the first
+waits for the same control inputs as the dequeue, so it fires when the dequeue becomes runnable)
+and adds the difference to a float64 variable. `FetchChannel.get` accumulates the Python-side wait.
+"""
+import time
+
+import tensorflow as tf
+
+from terra.runtime.errors import ChannelClosedError, TerraTimeoutError
+
+__all__ = ["FeedChannel", "FetchChannel", "FeedFetchOrder", "case_select_channel",
+           "loop_cond_channel", "DEFAULT_TIMEOUT", "wait_until"]
+
+#: Bound, in seconds, of every Python-side wait when the caller gives none.
+DEFAULT_TIMEOUT = 60.0
+
+_SPIN_S = 100e-6      # poll without sleeping for this long first (lowest latency)
+_SLEEP_MIN_S = 20e-6  # then sleep, doubling from this ...
+_SLEEP_MAX_S = 1e-3   # ... up to this (worst added latency once a wait is long)
+
+
+def wait_until(ready, what, timeout=None, watch=None):
+    """Poll `ready()` until true; bounded by `timeout` (TerraTimeoutError naming `what`).
+
+    `watch()`, if given, is called between polls and may raise to abort the wait (e.g. the graph
+    failed). Returns the seconds waited. KeyboardInterrupt propagates from the sleep.
+    """
+    if ready():
+        return 0.0
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    start = time.perf_counter()
+    deadline = start + timeout
+    spin_until = start + _SPIN_S
+    delay = _SLEEP_MIN_S
+    while True:
+        now = time.perf_counter()
+        if ready():
+            return now - start
+        if watch is not None:
+            watch()
+            if ready():  # a finished graph may have produced the value just now
+                return time.perf_counter() - start
+        if now >= deadline:
+            raise TerraTimeoutError(what, timeout)
+        if now >= spin_until:
+            time.sleep(delay)
+            delay = min(delay * 2, _SLEEP_MAX_S)
+
+
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+class _Channel:
+    """A FIFOQueue of fixed component dtypes/shapes, created eagerly."""
+
+    kind = "channel"
+
+    def __init__(self, dtypes, shapes=None, name=None, capacity=None):
+        if not tf.executing_eagerly():
+            raise RuntimeError(f"create {type(self).__name__} {name!r} eagerly, outside tf.function")
+        single = not isinstance(dtypes, (list, tuple))
+        self.dtypes = tuple(tf.dtypes.as_dtype(d) for d in _as_list(dtypes))
+        if not self.dtypes:
+            raise ValueError(f"{type(self).__name__} {name!r} needs at least one dtype")
+        if shapes is None:
+            self.shapes = tuple(tf.TensorShape(None) for _ in self.dtypes)
+        else:
+            shapes = [shapes] if single else list(shapes)
+            if len(shapes) != len(self.dtypes):
+                raise ValueError(f"{name!r}: {len(shapes)} shapes for {len(self.dtypes)} dtypes")
+            self.shapes = tuple(tf.TensorShape(s) for s in shapes)
+        self.single = single
+        self.name = name or f"terra_{self.kind}"
+        if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
+            raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
+        self.capacity = capacity
+        known = all(s.is_fully_defined() for s in self.shapes)
+        self.queue = tf.queue.FIFOQueue(
+            capacity if capacity is not None else 2**31 - 1, list(self.dtypes),
+            shapes=list(self.shapes) if known else None, name=self.name.replace("/", "_"))
+
+    def __repr__(self):
+        comps = ", ".join(f"{d.name}{list(s) if s.rank is not None else '[?]'}"
+                          for d, s in zip(self.dtypes, self.shapes))
+        return f"{type(self).__name__}({self.name!r}: {comps})"
+
+    def size(self):
+        """Number of elements in the queue now (eager)."""
+        return int(self.queue.size())
+
+    def _pack(self, comps):
+        return comps[0] if self.single else tuple(comps)
+
+    def _convert(self, value):
+        comps = [value] if self.single else _as_list(value)
+        if len(comps) != len(self.dtypes):
+            raise ValueError(f"{self.name}: expected {len(self.dtypes)} components, got {len(comps)}")
+        out = []
+        for v, d, s in zip(comps, self.dtypes, self.shapes):
+            t = tf.convert_to_tensor(v, dtype=d)
+            if not s.is_compatible_with(t.shape):
+                raise ValueError(f"{self.name}: value of shape {t.shape} does not fit {s}")
+            out.append(t)
+        return out
+
+    def drain(self):
+        """Drop every queued element (eager; e.g. leftover feeds after a cancelled run)."""
+        n = self.size()
+        for _ in range(n):
+            self.queue.dequeue()
+        return n
+
+    def close(self):
+        self.queue.close(cancel_pending_enqueues=True)
+
+    @property
+    def closed(self):
+        return bool(self.queue.is_closed())
+
+
+class FeedChannel(_Channel):
+    """Python -> graph. `put` eagerly; `dequeue_op` inside the graph function."""
+
+    kind = "feed"
+
+    def __init__(self, dtypes, shapes=None, name=None, capacity=None, timed=True):
+        super().__init__(dtypes, shapes, name, capacity)
+        self.timed = timed
+        self.puts = 0
+        self._stall = tf.Variable(0.0, dtype=tf.float64, trainable=False,
+                                  name=self.name.replace("/", "_") + "_stall")
+
+    def put(self, value, timeout=None):
+        """Enqueue one element (non-blocking unless a bounded capacity is full)."""
+        comps = self._convert(value)
+        if self.capacity is not None:
+            wait_until(lambda: self.size() < self.capacity, f"{self!r} (full)", timeout)
+        try:
+            self.queue.enqueue(comps)
+        except tf.errors.CancelledError as e:
+            raise ChannelClosedError(f"{self!r} is closed") from e
+        self.puts += 1
+
+    def dequeue_op(self, control_inputs=()):
+        """Graph side: dequeue the next element (blocks the graph until Python has put it).
+
+        `control_inputs` are ops that must run first (Output-Fetching ops that Python reads before
+        supplying this feed, Figure 3.4). Returns a tensor, or a tuple for several components.
+        """
+        if tf.executing_eagerly():
+            raise RuntimeError(f"{self!r}.dequeue_op() is for use inside a tf.function")
+        control_inputs = list(control_inputs)
+        if not self.timed:
+            with tf.control_dependencies(control_inputs):
+                comps = _as_list(self.queue.dequeue())
+            return self._pack([self._restore_shape(c, s) for c, s in zip(comps, self.shapes)])
+        with tf.control_dependencies(control_inputs):
+            t0 = tf.timestamp()
+        with tf.control_dependencies([t0]):
+            comps = _as_list(self.queue.dequeue())
+        with tf.control_dependencies(comps):
+            t1 = tf.timestamp()
+        add = self._stall.assign_add(t1 - t0)
+        # The value carries the timer update, so graphs without automatic control dependencies
+        # (which prune unused stateful ops) keep it too.
+        with tf.control_dependencies([add]):
+            comps = [tf.identity(c) for c in comps]
+        return self._pack([self._restore_shape(c, s) for c, s in zip(comps, self.shapes)])
+
+    @staticmethod
+    def _restore_shape(c, s):
+        if s.rank is not None and not c.shape.is_fully_defined():
+            c = tf.ensure_shape(c, s)
+        return c
+
+    @property
+    def stall_seconds(self):
+        """Cumulative seconds the graph waited on this channel's dequeues (timed channels)."""
+        return float(self._stall.numpy())
+
+    def reset_stats(self):
+        self._stall.assign(0.0)
+        self.puts = 0
+
+
+class FetchChannel(_Channel):
+    """Graph -> Python. `enqueue_op` inside the graph function; `get` eagerly (bounded wait)."""
+
+    kind = "fetch"
+
+    def __init__(self, dtypes, shapes=None, name=None):
+        super().__init__(dtypes, shapes, name, capacity=None)
+        self.wait_seconds = 0.0
+        self.gets = 0
+
+    def enqueue_op(self, value):
+        """Graph side: push `value` (a tensor, or a tuple for several components). Returns the op."""
+        if tf.executing_eagerly():
+            raise RuntimeError(f"{self!r}.enqueue_op() is for use inside a tf.function")
+        comps = [value] if self.single else _as_list(value)
+        if len(comps) != len(self.dtypes):
+            raise ValueError(f"{self.name}: expected {len(self.dtypes)} components, got {len(comps)}")
+        return self.queue.enqueue(comps)
+
+    def get(self, timeout=None, watch=None):
+        """Wait (bounded) for the next element and return it as EagerTensor(s).
+
+        Raises TerraTimeoutError naming this channel after `timeout` seconds
+        (default `DEFAULT_TIMEOUT`), or whatever `watch()` raises (e.g. the graph's error).
+        """
+        try:
+            waited = wait_until(lambda: self.size() > 0, repr(self), timeout, watch)
+        except tf.errors.OpError as e:
+            if self.closed:
+                raise ChannelClosedError(f"{self!r} is closed") from e
+            raise
+        self.wait_seconds += waited
+        self.gets += 1
+        comps = _as_list(self.queue.dequeue())
+        return self._pack(comps)
+
+    def reset_stats(self):
+        self.wait_seconds = 0.0
+        self.gets = 0
+
+
+def case_select_channel(name="case_select"):
+    """A scalar int32 FeedChannel that drives a `tf.switch_case` (Case-Select)."""
+    return FeedChannel(tf.int32, [], name=name)
+
+
+def loop_cond_channel(name="loop_cond"):
+    """A scalar bool FeedChannel read by a `tf.while_loop` cond per iteration (Loop-Cond)."""
+    return FeedChannel(tf.bool, [], name=name)
+
+
+class FeedFetchOrder:
+    """Emits Input-Feeding / Output-Fetching ops in trace order with the ordering that Python needs.
+
+    Python performs feeds and fetches strictly in trace order; the graph executor does not. Call
+    `feed` / `fetch` in the order the trace performs them, and each Input-Feeding op gets control
+    dependencies on every Output-Fetching op before it (Figure 3.4: the fetched value may be what
+    Python needs to compute the feed) and on the previous Input-Feeding op (so one queue's elements
+    are matched in put order); each Output-Fetching op follows the previous fetch on its channel
+    (so Python's `get`s see the values in order). Edges are added transitively: a feed depends on
+    the previous feed and on the fetches since then, not on all earlier fetches one by one.
+
+    Inside a `tf.function`, automatic control dependencies already chain ops on the same queue in
+    construction order; these edges are what makes a graph built without them (or emitted out of
+    trace order) safe, and they make the stall timer of a timed dequeue start when it can really run.
+    """
+
+    def __init__(self):
+        self._last_feed = None
+        self._fetches_since_feed = []
+        self._last_fetch = {}
+
+    def feed(self, channel):
+        control = list(self._fetches_since_feed)
+        if self._last_feed is not None:
+            control.append(self._last_feed)
+        value = channel.dequeue_op(control_inputs=control)
+        comps = list(value) if isinstance(value, tuple) else [value]
+        self._last_feed = comps[0].op if len(comps) == 1 else tf.group(*comps)
+        self._fetches_since_feed = []
+        return value
+
+    def fetch(self, channel, value):
+        prev = self._last_fetch.get(id(channel))
+        with tf.control_dependencies([prev] if prev is not None else []):
+            op = channel.enqueue_op(value)
+        self._last_fetch[id(channel)] = op
+        self._fetches_since_feed.append(op)
+        return op
+
+    @property
+    def all_ops(self):
+        """Ops a graph built without automatic control dependencies must depend on to keep them."""
+        ops = list(self._last_fetch.values())
+        if self._last_feed is not None:
+            ops.append(self._last_feed)
+        return ops

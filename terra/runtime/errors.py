@@ -1,0 +1,22 @@
+"""Errors of the co-execution runtime.
+
+Every Python-side wait of the runtime is bounded; when a bound is reached the wait raises
+`TerraTimeoutError`, naming the channel (op / slot) it waited on, so a hang becomes a clear error.
+"""
+
+
+class TerraRuntimeError(RuntimeError):
+    """Base class of errors raised by the runtime itself (not by TF ops)."""
+
+
+class TerraTimeoutError(TerraRuntimeError, TimeoutError):
+    """A bounded wait on a channel or on the graph runner ran out of time."""
+
+    def __init__(self, what, timeout):
+        self.what = what
+        self.timeout = timeout
+        super().__init__(f"timed out after {timeout:.3f} s waiting on {what}")
+
+
+class ChannelClosedError(TerraRuntimeError):
+    """A channel was closed while (or before) Python waited on it."""

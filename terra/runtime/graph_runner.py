@@ -1,0 +1,279 @@
+"""GraphRunner: runs the generated graph function on a background thread, cancellably.
+
+Each `start(fn, args)` queues one *run* on a single daemon worker thread; runs execute in order,
+one at a time. A run calls the ConcreteFunction's inference function through
+`execute_with_cancellation` with a CancellationManager of its own. TF's usual route
+(`CancellationManager.get_cancelable_function`) sets a module-global context that any other
+thread's function call would pick up, so we never set it: the manager is passed explicitly and only
+the worker thread's call is registered with it.
+
+Pipelining: feeds are buffered in FIFO queues, so Python may `put` the feeds of iteration i+1 while
+run i still computes, and may `start` run i+1 right away: the worker begins it as soon as run i
+ends, and its first dequeue finds the values already queued. `result()` consumes runs in order.
+
+Errors raised inside the graph are captured on the worker and re-raised in the user's thread at the
+next sync point (`result`, `check`, `fetch`) as the same exception type eager would raise
+(`tf.errors.InvalidArgumentError`, ...), with the message extended by `error_context(op_index)`
+(the runtime maps graph node names back to recorded ops and user source lines). Node names follow
+`op_node_name(index)`; `op_index_of(node_name)` parses them back.
+
+Timing: `exec_seconds` is the wall time of runs on the worker; graph stall (waiting on feeds) is
+measured inside the graph by timed FeedChannels; Python stall is the time spent in
+`FetchChannel.get`. `timing(...)` gathers all three.
+"""
+import collections
+import dataclasses
+import re
+import threading
+import time
+
+import tensorflow as tf
+
+from terra import _tf_private as tfp
+from terra.runtime.channels import DEFAULT_TIMEOUT, wait_until
+from terra.runtime.errors import TerraRuntimeError
+
+__all__ = ["GraphRunner", "GraphRun", "Timing", "timing", "op_node_name", "op_index_of",
+           "with_error_context"]
+
+_OP_NAME_PREFIX = "terra_op_"
+_NODE_RE = re.compile(r"\{\{node ([^}]+)\}\}")
+_INDEX_RE = re.compile(re.escape(_OP_NAME_PREFIX) + r"(\d+)")
+
+
+def op_node_name(index):
+    """Graph node name for recorded op `index` (so errors can be mapped back)."""
+    return f"{_OP_NAME_PREFIX}{index}"
+
+
+def op_index_of(node_name):
+    """Recorded op index from a node name made by `op_node_name` (None if not one of ours)."""
+    m = _INDEX_RE.search(node_name)
+    return int(m.group(1)) if m else None
+
+
+def _failing_op_index(error, index_of):
+    # Innermost node first: a nested function reports the outer call node before the inner op.
+    for node in reversed(_NODE_RE.findall(error.message)):
+        idx = index_of(node)
+        if idx is not None:
+            return idx
+    return None
+
+
+def with_error_context(error, error_context, index_of=op_index_of):
+    """The same OpError type as `error`, its message extended by `error_context(op_index)`."""
+    if not isinstance(error, tf.errors.OpError) or error_context is None:
+        return error
+    idx = _failing_op_index(error, index_of)
+    if idx is None:
+        return error
+    extra = error_context(idx)
+    if not extra:
+        return error
+    msg = f"{error.message}\n{extra}"
+    cls = type(error)
+    if cls is tf.errors.OpError:
+        new = cls(error.node_def, error.op, msg, error.error_code)
+    else:
+        new = cls(error.node_def, error.op, msg)
+    new.terra_op_index = idx
+    return new
+
+
+class GraphRun:
+    """One queued/running/finished execution of a graph function."""
+
+    __slots__ = ("index", "fn", "args", "manager", "outputs", "error", "state", "exec_seconds",
+                 "_done", "consumed", "cancel_requested")
+
+    def __init__(self, index, fn, args):
+        self.index = index
+        self.fn = fn
+        self.args = args
+        self.manager = tfp.CancellationManager()
+        self.outputs = None
+        self.error = None
+        self.state = "pending"  # pending -> running -> ok | error | cancelled
+        self.exec_seconds = 0.0
+        self._done = threading.Event()
+        self.consumed = False
+        self.cancel_requested = False
+
+    @property
+    def done(self):
+        return self._done.is_set()
+
+    def __repr__(self):
+        return f"GraphRun(#{self.index}, {self.state})"
+
+
+class GraphRunner:
+    """Runs graph functions on one background daemon thread; see the module docstring."""
+
+    def __init__(self, error_context=None, op_index_of=op_index_of, name="terra-graph-runner"):
+        self.error_context = error_context
+        self.op_index_of = op_index_of
+        self.name = name
+        self.exec_seconds = 0.0
+        self.runs_finished = 0
+        self._runs = collections.deque()   # started and not yet consumed by result()
+        self._work = collections.deque()   # not yet picked up by the worker
+        self._cv = threading.Condition()
+        self._thread = None
+        self._next_index = 0
+
+    # ---- worker ---------------------------------------------------------------------------
+    def _ensure_thread(self):
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._worker, name=self.name, daemon=True)
+            self._thread.start()
+
+    def _worker(self):
+        while True:
+            with self._cv:
+                while not self._work:
+                    if not self._cv.wait(timeout=5.0) and not self._work:
+                        self._thread = None  # idle: let the thread end; restarted on demand
+                        return
+                run = self._work.popleft()
+                run.state = "running"
+            t0 = time.perf_counter()
+            try:
+                outputs = tfp.call_concrete_cancellable(run.fn, run.args, run.manager)
+                state, error = "ok", None
+            except tf.errors.CancelledError as e:
+                outputs, state, error = None, "cancelled", e
+            except BaseException as e:  # noqa: BLE001 - re-raised in the user's thread
+                outputs, state, error = None, "error", e
+            dt = time.perf_counter() - t0
+            with self._cv:
+                run.outputs, run.error, run.exec_seconds = outputs, error, dt
+                # (TF also trips the manager itself when an op fails, so ask our own flag)
+                run.state = "cancelled" if run.cancel_requested and state != "ok" else state
+                self.exec_seconds += dt
+                self.runs_finished += 1
+                run._done.set()
+                self._cv.notify_all()
+
+    # ---- user API -------------------------------------------------------------------------
+    def start(self, fn, args=()):
+        """Queue a run of `fn` (tf.function or ConcreteFunction) on flat tensor `args`.
+
+        Tracing (for a tf.function) happens here, in the caller's thread. Returns the GraphRun.
+        """
+        args = tuple(args)
+        concrete = tfp.concrete_function_of(fn, args)
+        flat = [tf.convert_to_tensor(a) for a in tf.nest.flatten(args, expand_composites=True)]
+        with self._cv:
+            run = GraphRun(self._next_index, concrete, flat)
+            self._next_index += 1
+            self._runs.append(run)
+            self._work.append(run)
+            self._ensure_thread()
+            self._cv.notify_all()
+        return run
+
+    @property
+    def done(self):
+        """True when no started run is pending or running."""
+        with self._cv:
+            return all(r.done for r in self._runs)
+
+    @property
+    def current(self):
+        """The oldest run not yet consumed by `result()` (None if there is none)."""
+        with self._cv:
+            return self._runs[0] if self._runs else None
+
+    def check(self):
+        """Raise the error of a finished, failed run now (non-blocking sync point)."""
+        with self._cv:
+            failed = next((r for r in self._runs if r.done and r.state == "error"), None)
+        if failed is not None:
+            self._consume_through(failed)
+            raise self._translate(failed.error)
+
+    def _consume_through(self, run):
+        with self._cv:
+            while self._runs:
+                r = self._runs.popleft()
+                r.consumed = True
+                if r is run:
+                    break
+
+    def _translate(self, error):
+        if isinstance(error, tf.errors.OpError):
+            new = with_error_context(error, self.error_context, self.op_index_of)
+            if new is not error:
+                return new.with_traceback(None)
+        return error
+
+    def result(self, timeout=None):
+        """Wait (bounded) for the oldest unconsumed run; return its outputs or raise its error.
+
+        A cancelled run raises tf.errors.CancelledError. KeyboardInterrupt while waiting cancels
+        the graph before it propagates.
+        """
+        run = self.current
+        if run is None:
+            raise TerraRuntimeError("GraphRunner.result(): no run was started")
+        what = f"graph run #{run.index} of {run.fn.name}"
+        try:
+            wait_until(run._done.is_set, what, timeout)
+        except KeyboardInterrupt:
+            self.cancel()
+            raise
+        self._consume_through(run)
+        if run.state == "ok":
+            return run.outputs
+        raise self._translate(run.error)
+
+    def fetch(self, channel, timeout=None):
+        """`channel.get` that reports a failed graph at once and cancels it on Ctrl-C."""
+        try:
+            return channel.get(timeout=timeout, watch=self.check)
+        except KeyboardInterrupt:
+            self.cancel()
+            raise
+
+    def cancel(self, timeout=None):
+        """Cancel the running run and drop pending ones; wait (bounded) until the worker is idle.
+
+        Returns the runs that ended cancelled. Feeds Python already put stay queued: drain the
+        channels (`FeedChannel.drain`) before the next run if they belong to the cancelled one.
+        """
+        with self._cv:
+            runs = [r for r in self._runs if not r.done]
+            for r in runs:
+                r.cancel_requested = True
+                r.manager.start_cancel()
+                if r.state == "pending":  # never picked up by the worker: end it here
+                    r.state = "cancelled"
+                    r.error = tf.errors.CancelledError(None, None,
+                                                       f"graph run #{r.index} cancelled before it started")
+                    r._done.set()
+            self._work = collections.deque(r for r in self._work if r not in runs)
+        timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+        for r in runs:
+            wait_until(r._done.is_set, f"cancellation of graph run #{r.index}", timeout)
+        with self._cv:
+            self._runs = collections.deque(r for r in self._runs if r not in runs)
+        return [r for r in runs if r.state == "cancelled"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Cumulative seconds: graph execution, graph waiting on feeds, Python waiting on fetches."""
+
+    graph_exec_s: float
+    graph_stall_s: float
+    python_stall_s: float
+
+
+def timing(runner, feeds=(), fetches=()):
+    """Gather the runtime's timing counters (see the module docstring for what each measures)."""
+    return Timing(
+        graph_exec_s=runner.exec_seconds,
+        graph_stall_s=sum(f.stall_seconds for f in feeds if f.timed),
+        python_stall_s=sum(f.wait_seconds for f in fetches))

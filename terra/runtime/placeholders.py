@@ -1,0 +1,252 @@
+"""Placeholders: what the PythonRunner hands to user code instead of real tensors.
+
+A `Placeholder` stands for the output of an op that the graph computes. It is a real
+`tf.Tensor` subclass (built with `object.__new__`, no graph behind it), so user code, TF and Keras
+accept it wherever a tensor goes. Its value lives behind a *resolver*: any object with
+`.resolve() -> EagerTensor` (later the runtime's fetch from the running graph).
+
+Where the value is needed it is materialized through the resolver, once, and cached:
+- conversion (`tf.convert_to_tensor`, every op wrapper's input conversion) goes through
+  `__tf_tensor__`, so an op that receives a placeholder receives the real value (until the runtime
+  intercepts those ops itself);
+- `numpy()`, `__array__`, `__float__`, `__int__`, `__index__`, `__bool__`, `__len__`, `__format__`,
+  `__repr__`/`__str__` are Python sync points: they fetch.
+
+After a fallback the runtime re-binds a placeholder to its real EagerTensor (`_terra_bind`): user code
+keeps placeholders in lists and attributes across iterations, and from then on every attribute,
+conversion and sync point forwards to the bound tensor.
+"""
+import itertools
+
+import numpy as np
+import tensorflow as tf
+
+from terra import _tf_private as tfp
+
+__all__ = ["Placeholder", "ConstantResolver", "is_placeholder"]
+
+_ids = itertools.count()
+
+
+class _DummyOp:
+    """Stand-in for `Tensor.op`; its `type` matches no real op (Keras reads `output.op.type`)."""
+
+    __slots__ = ("name",)
+    type = "TerraPlaceholder"
+    inputs = ()
+    control_inputs = ()
+    graph = None
+    device = ""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return f"<TerraPlaceholder op {self.name}>"
+
+
+class ConstantResolver:
+    """Resolver that returns a value it already holds (tests, and values known on the Python side)."""
+
+    __slots__ = ("value", "calls")
+
+    def __init__(self, value):
+        self.value = tf.convert_to_tensor(value)
+        self.calls = 0
+
+    def resolve(self):
+        self.calls += 1
+        return self.value
+
+
+def _check_resolver(resolver):
+    if not callable(getattr(resolver, "resolve", None)):
+        raise TypeError(f"resolver must have a callable .resolve(), got {resolver!r}")
+
+
+class Placeholder(tfp.Tensor):
+    """A `tf.Tensor` whose value is produced elsewhere and fetched on demand.
+
+    Create with `Placeholder.create(dtype, shape, resolver, terra_id=None)`, not the constructor
+    (the base constructor wants a graph op).
+    """
+
+    _USE_EQUALITY = True
+
+    @classmethod
+    def create(cls, dtype, shape, resolver, terra_id=None):
+        _check_resolver(resolver)
+        tfp.install_function_call_guard(is_placeholder, _materialize)
+        self = object.__new__(cls)
+        d = self.__dict__
+        d["_dtype"] = tf.dtypes.as_dtype(dtype)
+        d["_shape_val"] = tf.TensorShape(shape)
+        d["_id"] = tfp.new_tensor_uid()
+        d["_terra_id"] = next(_ids) if terra_id is None else terra_id
+        d["_name"] = f"terra_placeholder_{d['_terra_id']}"
+        d["_op"] = _DummyOp(d["_name"])
+        d["_terra_resolver"] = resolver
+        d["_terra_value"] = None
+        d["_terra_bound"] = False
+        return self
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("build placeholders with Placeholder.create(dtype, shape, resolver)")
+
+    # ---- identity and static metadata -------------------------------------------------------
+    @property
+    def terra_id(self):
+        return self._terra_id
+
+    @property
+    def op(self):
+        return self._op
+
+    @property
+    def value_index(self):
+        return 0
+
+    @property
+    def shape(self):
+        v = self._terra_value
+        return v.shape if v is not None else self._shape_val
+
+    def get_shape(self):
+        return self.shape
+
+    def set_shape(self, shape):
+        if not self.shape.is_compatible_with(shape):
+            raise ValueError(f"shape {shape} is incompatible with {self.shape} of {self._name}")
+        self.__dict__["_shape_val"] = self._shape_val.merge_with(shape)
+
+    @property
+    def device(self):
+        v = self._terra_value
+        return v.device if v is not None else ""
+
+    @property
+    def graph(self):
+        return None
+
+    @property
+    def is_materialized(self):
+        """True once the value was fetched or bound (no further fetch will happen)."""
+        return self._terra_value is not None
+
+    @property
+    def is_bound(self):
+        """True once `_terra_bind` made this placeholder a forwarder to a real tensor."""
+        return self._terra_bound
+
+    # ---- value -------------------------------------------------------------------------------
+    def _check_value(self, value, where):
+        if not isinstance(value, tfp.EagerTensor):
+            raise TypeError(f"{where} for {self._name} must give an EagerTensor, got {type(value)!r}")
+        if value.dtype != self._dtype:
+            raise TypeError(f"{where} for {self._name} gave dtype {value.dtype.name}, "
+                            f"expected {self._dtype.name}")
+        if not self._shape_val.is_compatible_with(value.shape):
+            raise ValueError(f"{where} for {self._name} gave shape {value.shape}, "
+                             f"expected {self._shape_val}")
+
+    def _terra_materialize(self):
+        """The real value: fetched through the resolver on first use, then cached."""
+        v = self._terra_value
+        if v is None:
+            v = self._terra_resolver.resolve()
+            self._check_value(v, "resolver")
+            self.__dict__["_terra_value"] = v
+        return v
+
+    def _terra_bind(self, value):
+        """Turn this placeholder into a forwarder to `value` (after a fallback)."""
+        self._check_value(value, "_terra_bind")
+        d = self.__dict__
+        d["_terra_value"] = value
+        d["_terra_bound"] = True
+        d["_terra_resolver"] = None
+
+    def _terra_rebind_resolver(self, resolver):
+        """Point an unmaterialized placeholder at another resolver (a new run of the graph)."""
+        _check_resolver(resolver)
+        if self._terra_value is not None:
+            raise ValueError(f"{self._name} already has a value; cannot change its resolver")
+        self.__dict__["_terra_resolver"] = resolver
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        v = self._terra_materialize()
+        if dtype is not None and not tf.dtypes.as_dtype(dtype).is_compatible_with(v.dtype):
+            raise ValueError(f"Tensor conversion requested dtype {tf.dtypes.as_dtype(dtype).name} "
+                             f"for {self._name} with dtype {v.dtype.name}")
+        return v
+
+    # ---- Python sync points (fetch) ------------------------------------------------------------
+    def numpy(self):
+        return self._terra_materialize().numpy()
+
+    def __array__(self, dtype=None, copy=None):
+        a = self._terra_materialize().numpy()
+        return np.asarray(a, dtype=dtype) if copy is None else np.array(a, dtype=dtype, copy=copy)
+
+    def __float__(self):
+        return float(self._terra_materialize())
+
+    def __int__(self):
+        return int(self._terra_materialize())
+
+    def __index__(self):
+        return self._terra_materialize().__index__()
+
+    def __bool__(self):
+        return bool(self._terra_materialize())
+
+    def __len__(self):
+        return len(self._terra_materialize())
+
+    def __format__(self, format_spec):
+        return format(self._terra_materialize(), format_spec)
+
+    def __repr__(self):
+        return repr(self._terra_materialize())
+
+    def __str__(self):
+        return str(self._terra_materialize())
+
+    def __iter__(self):
+        if self._shape_val.rank is None or self._shape_val[0] is None or self.is_materialized:
+            return iter(self._terra_materialize())
+        return super().__iter__()
+
+    def __hash__(self):
+        raise TypeError("Tensor is unhashable. Instead, use tensor.ref() as the key.")
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (tf.convert_to_tensor, (self._terra_materialize().numpy(),))
+
+    # ---- forwarding ----------------------------------------------------------------------------
+    def __getattr__(self, name):
+        # Only called for attributes the class does not define.
+        v = self.__dict__.get("_terra_value")
+        if v is not None and not name.startswith("__"):
+            return getattr(v, name)
+        raise AttributeError(f"{type(self).__name__} {self.__dict__.get('_name')!r} "
+                             f"has no attribute {name!r}")
+
+    def __setattr__(self, name, value):
+        # Keras and TF set private attributes on tensors (e.g. `_keras_mask`); keep them on the
+        # placeholder itself so they survive a re-bind.
+        self.__dict__[name] = value
+
+
+def is_placeholder(x):
+    return isinstance(x, Placeholder)
+
+
+def _materialize(ph):
+    return ph._terra_materialize()
