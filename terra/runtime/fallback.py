@@ -22,6 +22,8 @@ import tensorflow as tf
 from terra import _tf_private as tfp
 from terra.ir.records import ConstRef, Feed, FeedRef, OutputRef, Trace, VariableRef
 from terra.runtime.placeholders import Placeholder
+from tensorflow.python.eager import execute as _execute
+
 from terra.tracing.recorder import Recorder, _frozen_value
 
 # Ops whose first input is a variable they update (anything else taking a variable only reads).
@@ -101,8 +103,11 @@ def _attrs_flat(rec) -> tuple:
 class EagerReplay:
     """Executes records eagerly (recording gradients on active tapes) into `env`."""
 
-    def __init__(self, trace: Trace, feed_values: dict):
+    def __init__(self, trace: Trace, feed_values: dict, tape_spans=()):
         self.trace = trace
+        # (tape, first record, end record or None): tapes open over those records in eager;
+        # the replay puts exited tapes back on the stack over their span.
+        self.tape_spans = tape_spans
         self.feeds = feed_values
         self.env: dict = {}
         self.consts: dict = {}
@@ -148,25 +153,41 @@ class EagerReplay:
         return flat
 
     def run(self, upto: int) -> dict:
-        from tensorflow.python.eager import execute as _execute  # public module path of TF
         ctx = tfp.context()
-        for rec in self.trace.records[:upto]:
-            inputs = self._flat_inputs(rec)
-            if rec.route == "function":
-                fn = self.trace.functions[rec.function]
-                outs = fn.call_flat(*inputs)
-            elif rec.op_type == "ReadVariableOp" and isinstance(rec.inputs[0], VariableRef) and \
-                    isinstance(self.trace.variables.get(rec.inputs[0].key), tfp.BaseResourceVariable):
-                # through the variable, so active tapes watch it as eager did
-                outs = [self.trace.variables[rec.inputs[0].key].value()]
-            else:
-                attrs = _attrs_flat(rec)
-                outs = _execute.execute(rec.op_type, len(rec.outputs), inputs, attrs, ctx)
-                if outs and _execute.must_record_gradient():
-                    _execute.record_gradient(rec.op_type, inputs, attrs, outs)
-            for j, t in enumerate(outs or ()):
-                self.env[(rec.index, j)] = t
+        spans = [(t, a, b) for t, a, b in self.tape_spans
+                 if not tfp.tape_is_recording(t) and tfp.tape_has_state(t) and a < upto]
+        resumed = []
+        try:
+            for rec in self.trace.records[:upto]:
+                for t, a, b in spans:
+                    if a == rec.index and t not in resumed:
+                        tfp.resume_tape(t)
+                        resumed.append(t)
+                    if b == rec.index and t in resumed:
+                        tfp.pause_tape(t)
+                        resumed.remove(t)
+                self._run_one(rec, ctx, _execute)
+        finally:
+            for t in resumed:
+                tfp.pause_tape(t)
         return self.env
+
+    def _run_one(self, rec, ctx, _execute):
+        inputs = self._flat_inputs(rec)
+        if rec.route == "function":
+            fn = self.trace.functions[rec.function]
+            outs = fn.call_flat(*inputs)
+        elif rec.op_type == "ReadVariableOp" and isinstance(rec.inputs[0], VariableRef) and \
+                isinstance(self.trace.variables.get(rec.inputs[0].key), tfp.BaseResourceVariable):
+            # through the variable, so active tapes watch it as eager did
+            outs = [self.trace.variables[rec.inputs[0].key].value()]
+        else:
+            attrs = _attrs_flat(rec)
+            outs = _execute.execute(rec.op_type, len(rec.outputs), inputs, attrs, ctx)
+            if outs and _execute.must_record_gradient():
+                _execute.record_gradient(rec.op_type, inputs, attrs, outs)
+        for j, t in enumerate(outs or ()):
+            self.env[(rec.index, j)] = t
 
 
 # ------------------------------------------------------------------------------------ recorder
@@ -232,7 +253,8 @@ class ContinuingRecorder(Recorder):
         return super().ref_of(tensor)
 
     def op(self, op_type, inputs, attrs, route, run):
-        if route == "fast" and not self.too_long and _reads_raw_variable(op_type, inputs):
+        if route == "fast" and not self.too_long and (_reads_raw_variable(op_type, inputs) or (
+                _execute.must_record_gradient() and _has_raw_value(inputs))):
             # C++ would read the variable invisibly; the wrapper's slow path reads it in Python,
             # where the read is an op we record (and the tape sees the same value).
             self._fast_failed = op_type
@@ -244,6 +266,17 @@ class ContinuingRecorder(Recorder):
             self.trace.unsupported.append(f"more than {self.max_ops} ops in one iteration")
             return run()
         return super().op(op_type, inputs, attrs, route, run)
+
+
+def _has_raw_value(inputs) -> bool:
+    """A Python or NumPy value the C fast path would convert invisibly (a tape keeps the
+    converted tensor, and its gradient would read a tensor no record produced)."""
+    for v in inputs:
+        for e in (v if isinstance(v, (list, tuple)) else (v,)):
+            if not isinstance(e, (tf.Tensor, tfp.BaseResourceVariable)) and \
+                    not hasattr(e, "handle") and e is not None:
+                return True
+    return False
 
 
 def _reads_raw_variable(op_type, inputs) -> bool:

@@ -187,7 +187,18 @@ class PythonRunner(hook.Interceptor):
         try:
             return self._skip(op_type, inputs, attrs, route)
         except Diverged as d:
+            if d.divergence.reason != "graph error" and self.iteration.switch(d.divergence):
+                try:
+                    return self._skip(op_type, inputs, attrs, route)
+                except Diverged as d2:
+                    d = d2
             recorder = self.iteration.fallback(d.divergence)
+            if route != "fast" and isinstance(inputs, list):
+                # converted inputs may be placeholders (passed through while skipping): the op
+                # now really runs, on their values
+                for i, v in enumerate(inputs):
+                    if isinstance(v, Placeholder):
+                        inputs[i] = v._terra_materialize()
             return recorder.op(op_type, inputs, attrs, route, run)
 
     # ------------------------------------------------------------------ matching
@@ -387,10 +398,17 @@ class PythonRunner(hook.Interceptor):
     def gradient_unit(self, guard) -> Any:
         """Skip a recorded `tape.gradient` call whose guard is `guard`; returns flat results."""
         unit = self.view.units.get(self.pos)
-        if unit is None:
-            self._diverge("gradient call where the path has none", "an op", "tape.gradient")
-        if unit.guard != guard:
-            self._diverge("gradient of different tensors", unit.guard, guard)
+        if unit is None or unit.guard != guard:
+            try:
+                if unit is None:
+                    self._diverge("gradient call where the path has none", "an op", "tape.gradient")
+                self._diverge("gradient of different tensors", unit.guard, guard)
+            except Diverged as d:
+                if not self.iteration.switch(d.divergence):
+                    raise
+            unit = self.view.units.get(self.pos)
+            if unit is None or unit.guard != guard:
+                self._diverge("gradient call where the path has none", "an op", "tape.gradient")
         for slot in unit.feeds:
             obj = self.view.trace.feed_values[slot]
             self._feed(slot, obj, obj)

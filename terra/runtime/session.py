@@ -31,7 +31,10 @@ import tensorflow as tf
 from terra import _tf_private as tfp
 from terra.compiler import replay
 from terra.config import CONFIG
-from terra.ir.records import FeedRef, OutputRef, Trace, VariableRef
+import numpy as np
+
+from terra.ir.records import (ConstRef, Feed, FeedRef, OutputRef, TensorSpec, Trace,
+                              VariableRef, replace)
 from terra.runtime.channels import FeedChannel, FeedFetchOrder, FetchChannel
 from terra.runtime.errors import TerraRuntimeError
 from terra.runtime.fallback import (ContinuingRecorder, EagerReplay, Snapshot, bind_placeholders,
@@ -147,6 +150,75 @@ def path_signature(trace: Trace, units: dict) -> tuple:
             tuple(sorted((u.start, u.end) for u in units.values())))
 
 
+def generalize(base: Trace, new: Trace):
+    """`base` with every small constant whose value differs in `new` turned into a feed (a Python
+    value the program changes, e.g. a mutated keep_prob); None if the traces differ otherwise or
+    in nothing. Feed slots are renumbered in first-use order; values are `new`'s."""
+    if len(base.records) != len(new.records):
+        return None
+    feeds, values, records = [], [], []
+    by_base, by_new, by_const = {}, {}, {}
+    changed = False
+
+    def slot_for(key_map, key, spec, source, value):
+        s = key_map.get(key)
+        if s is None:
+            s = key_map[key] = len(feeds)
+            feeds.append(Feed(s, spec, source))
+            values.append(value)
+        return s
+
+    def merge_ref(b, n):
+        nonlocal changed
+        if isinstance(b, FeedRef) and isinstance(n, FeedRef):
+            spec = base.feeds[b.slot].spec
+            if spec != new.feeds[n.slot].spec:
+                return None
+            s1 = slot_for(by_base, b.slot, spec, new.feeds[n.slot].source, new.feed_values[n.slot])
+            if by_new.setdefault(n.slot, s1) != s1:
+                return None
+            return FeedRef(s1)
+        if b == n:
+            return b
+        if isinstance(n, ConstRef) and n.dtype != "string":
+            shape = tuple(np.shape(n.value))
+            if isinstance(b, ConstRef) and b.dtype == n.dtype and tuple(np.shape(b.value)) == shape:
+                changed = True
+                # equal value pairs share a slot (one Python value used by forward and backward)
+                return FeedRef(slot_for(by_const, (b.value, n.value, n.dtype),
+                                        TensorSpec(n.dtype, shape), "python-constant", n.value))
+            if isinstance(b, FeedRef) and base.feeds[b.slot].source == "python-constant" and \
+                    base.feeds[b.slot].spec == TensorSpec(n.dtype, shape):
+                sl = slot_for(by_base, b.slot, base.feeds[b.slot].spec, "python-constant", n.value)
+                return FeedRef(sl) if values[sl] == n.value else None
+        return None
+
+    for rb, rn in zip(base.records, new.records):
+        if (rb.op_type, rb.attrs, rb.route, rb.function, rb.outputs) != \
+                (rn.op_type, rn.attrs, rn.route, rn.function, rn.outputs):
+            return None
+        inputs = []
+        for ab, an in zip(rb.inputs, rn.inputs):
+            if isinstance(ab, tuple) or isinstance(an, tuple):
+                if not (isinstance(ab, tuple) and isinstance(an, tuple) and len(ab) == len(an)):
+                    return None
+                m = tuple(merge_ref(x, y) for x, y in zip(ab, an))
+                if any(x is None for x in m):
+                    return None
+                inputs.append(m)
+            else:
+                m = merge_ref(ab, an)
+                if m is None:
+                    return None
+                inputs.append(m)
+        records.append(replace(rb, inputs=tuple(inputs)))
+    if not changed:
+        return None
+    return Trace(new.site, records, feeds, values, list(new.fetches), dict(new.variables),
+                 list(new.unsupported), dict(new.functions), list(new.unseeded_random),
+                 list(new.fast_fallbacks))
+
+
 @dataclass(eq=False)
 class Path:
     signature: tuple
@@ -161,8 +233,18 @@ class Path:
     view: PythonRunner | None = None
     snapshot: Snapshot | None = None
     id: int = 0
+    verified: set = field(default_factory=set)   # units whose feeds were seen identical twice
+
+    def usable_units(self) -> dict:
+        return {s: u for s, u in self.units.items() if not u.feeds or s in self.verified}
 
     def absorb(self, trace: Trace, liveouts, fetches) -> None:
+        if self.count:
+            for u in self.units.values():  # unit feeds must be the very same (cached) tensors
+                if u.start not in self.verified and all(
+                        trace.feed_values[sl] is self.trace.feed_values[sl] for sl in u.feeds):
+                    self.verified.add(u.start)
+                    self.view = None
         self.count += 1
         self.liveouts |= set(liveouts)
         for f in fetches:
@@ -220,11 +302,28 @@ class Iteration:
         self.fetched: set = set()
         self.outputs: dict = {}
         self.tapes: list = []
+        self.tape_spans: list = []   # [tape, first op, end op or None]
         self.t0 = time.perf_counter()
         self.stall = 0.0
         self.replayed: dict = {}
 
     # ---------------------------------------------------------------- co-execution
+    def position(self) -> int:
+        if self.mode == "skip":
+            return self.runner.pos
+        if self.mode == "tracing" and self.recorder is not None:
+            return len(self.recorder.trace.records)
+        return 0
+
+    def add_tape(self, tape) -> None:
+        self.tapes.append(tape)
+        self.tape_spans.append([tape, self.position(), None])
+
+    def tape_exited(self, tape) -> None:
+        for span in self.tape_spans:
+            if span[0] is tape and span[2] is None:
+                span[2] = self.position()
+
     def frame_alive(self) -> bool:
         f = sys._getframe(1)
         target = self.frame
@@ -283,6 +382,54 @@ class Iteration:
                                         f"{self.number} at {self.site.label} was not kept")
             return v
 
+    def switch(self, d: Divergence, at_end: bool = False) -> bool:
+        """Restart the iteration on another compiled path that agrees with the current one on
+        every op matched so far (a branch both paths were traced through): cancel the graph,
+        restore the variables, start the other graph and feed it what Python fed so far.
+        Placeholders keep their refs (the prefixes are equal). False if there is none."""
+        runner, cur, pos = self.runner, self.path, self.runner.pos
+        prefix = cur.signature[0][:pos]
+        fed_specs = [cur.trace.feeds[sl].spec for sl in sorted(runner.fed)]
+        for q in self.site.paths.values():
+            if q is cur or q.graph is None or q.stale or q.view is None:
+                continue
+            if at_end and q.view.n != pos or not at_end and q.view.n <= pos:
+                continue
+            if q.signature[0][:pos] != prefix:
+                continue
+            if [q.trace.feeds[sl].spec for sl in sorted(runner.fed) if sl < len(q.trace.feeds)] \
+                    != fed_specs:
+                continue
+            if {u.start for u in cur.units.values() if u.end <= pos} != \
+                    {u.start for u in q.units.values() if u.end <= pos}:
+                continue
+            s = self.session
+            with s.internal():
+                if self.run is not None:
+                    if not self.run.done:
+                        s.runner.cancel(timeout=CONFIG.timeout_s)
+                    else:
+                        try:
+                            s.runner.result(timeout=CONFIG.timeout_s)
+                        except Exception:  # noqa: BLE001 - the new path recomputes
+                            pass
+                    cur.graph.drain()
+                    cur.snapshot.restore(self.snap)
+                self.run = None
+                self.path = q
+                self.snap = q.snapshot.take()
+                runner.view = q.view
+                for slot in sorted(runner.fed):
+                    self.put_feed(slot, runner.fed[slot])
+                self.fetched = set()
+                if CONFIG.coexecution or self.fetched:
+                    self.start_graph()
+            s.switches += 1
+            s._event("switch", self.site, self.number, f"p{cur.id} -> p{q.id} at op #{pos}: "
+                     f"{d.reason}", d.location)
+            return True
+        return False
+
     def fallback(self, d: Divergence):
         """Leave skip mode (see terra/runtime/fallback.py); returns the recorder now active."""
         s = self.session
@@ -301,7 +448,7 @@ class Iteration:
                 self.path.graph.drain()
                 self.path.snapshot.restore(self.snap)
             self.mode = "done"  # until the replay succeeded
-            env = EagerReplay(self.path.trace, runner.fed).run(runner.pos)
+            env = EagerReplay(self.path.trace, runner.fed, self.tape_spans).run(runner.pos)
             self.replayed = env
             bind_placeholders(runner.placeholders, env)
             rec = ContinuingRecorder(self.site.label, CONFIG.max_trace_ops)
@@ -322,7 +469,8 @@ class Iteration:
         """End the iteration (the next __enter__, reset, or leaving the site)."""
         s = self.session
         if self.mode == "skip":
-            if self.runner.pos < self.path.view.n:
+            if self.runner.pos < self.path.view.n and not self.switch(
+                    Divergence(user_line(), "", "", self.runner.pos, "iteration ended"), True):
                 self.fallback(Divergence(user_line(), f"{self.path.view.n} ops",
                                          f"{self.runner.pos} ops", self.runner.pos,
                                          "iteration ended early"))
@@ -405,6 +553,7 @@ class Session:
         self.traces = 0
         self.fallbacks = 0
         self.graph_builds = 0
+        self.switches = 0
         self.python_exec_s = 0.0
         self.python_stall_s = 0.0
         self.iterations = 0
@@ -466,7 +615,7 @@ class Session:
         it = self.iteration
         if it is not None and it.mode != "done":
             if key != it.site.key and it.frame_alive():
-                it.tapes.append(tape)
+                it.add_tape(tape)
                 return
             with self.internal():
                 it.finish()
@@ -481,7 +630,7 @@ class Session:
         _set_active(None)
         self.iterations += 1
         it = Iteration(self, site, frame, self.iterations)
-        it.tapes.append(tape)
+        it.add_tape(tape)
         self.iteration = it
         if site.eager_reason is not None:
             site.phase = "eager"
@@ -515,7 +664,11 @@ class Session:
 
     def tape_exit(self, tape, exc_type) -> None:
         it = self.iteration
-        if it is None or exc_type is None or it.mode != "skip":
+        if it is None:
+            return
+        if tape in it.tapes:
+            it.tape_exited(tape)
+        if exc_type is None or it.mode != "skip":
             return
         it.fallback(Divergence(user_line(), "no exception", exc_type.__name__, it.runner.pos,
                                "exception in the iteration"))
@@ -619,15 +772,28 @@ class Session:
         except Exception as e:  # noqa: BLE001 - the TraceGraph is informational here
             site.trace_graph = None
             self._event("note", site, it.number, f"TraceGraph merge failed: {e}")
-        units = {}
-        for s_, u in rec.units.items():
-            feeds = _unit_feeds(trace, u)
-            if feeds is not None:
-                u.feeds = feeds
-                units[s_] = u
         why = _uncompilable(trace)
+        units = _units_for(trace, rec.units)
         sig = path_signature(trace, units)
         path = site.paths.get(sig)
+        if path is None and why is None:
+            for other in list(site.paths.values()):
+                if other.signature[2] != sig[2] or _uncompilable(other.trace):
+                    continue
+                g = generalize(other.trace, trace)
+                if g is not None:
+                    trace = g
+                    units = _units_for(g, rec.units)
+                    sig = path_signature(g, units)
+                    path = site.paths.get(sig)
+                    if path is None:
+                        path = Path(sig, trace, units, id=len(site.paths), count=other.count,
+                                    liveouts=set(other.liveouts),
+                                    fetch_points=dict(other.fetch_points))
+                        site.paths[sig] = path
+                        self._event("trace", site, it.number, f"path p{other.id} generalized "
+                                    f"to p{path.id}: changing Python values become feeds")
+                    break
         new = path is None
         if new:
             path = Path(sig, trace, units, id=len(site.paths))
@@ -638,8 +804,11 @@ class Session:
         if why:
             detail += f"; not compilable: {why}"
         self._event("trace", site, it.number, detail, "")
-        if why is None and path.count >= 2 and path.stale:
+        compiled_before = any(p.graph is not None for p in site.paths.values())
+        if why is None and (path.count >= 2 or compiled_before) and path.stale:
             self._build(site, path, it.number)
+        elif path.view is None and path.graph is not None:
+            path.view = PathView(path.trace, path.usable_units())
         if path.graph is not None:
             site.last_path = path
         if site.eager_reason is None and self._predict(site) is None and \
@@ -661,7 +830,8 @@ class Session:
         t = time.perf_counter()
         with self.internal():
             if path.view is None:
-                path.view = PathView(path.trace, path.units)
+                path.view = PathView(path.trace, path.usable_units())
+            if path.snapshot is None:
                 path.snapshot = Snapshot(written_variables(path.trace))
             path.graph = PathGraph(path)
             path.built_for = (frozenset(path.liveouts), frozenset(path.fetch_points))
@@ -692,7 +862,7 @@ class Session:
         with self.internal():
             stall = sum(g.stall_seconds for g in self._graphs)
         return {"traces": self.traces, "fallbacks": self.fallbacks,
-                "graph_builds": self.graph_builds, "phase": phase,
+                "graph_builds": self.graph_builds, "phase": phase, "path_switches": self.switches,
                 "iterations": self.iterations,
                 "python_exec_s": self.python_exec_s, "python_stall_s": self.python_stall_s,
                 "graph_exec_s": self.runner.exec_seconds, "graph_stall_s": stall}
@@ -722,6 +892,17 @@ def _var_ref(x):
     if isinstance(h, tfp.EagerTensorBase):
         return VariableRef(id(h))
     return None
+
+
+def _units_for(trace, units) -> dict:
+    """Copies of the recorded units with the feeds first used inside each (for this trace);
+    units that read a non-tensor feed first inside are dropped."""
+    out = {}
+    for start, u in units.items():
+        feeds = _unit_feeds(trace, u)
+        if feeds is not None:
+            out[start] = GradUnit(u.start, u.end, u.guard, u.result, feeds)
+    return out
 
 
 def _unit_feeds(trace, unit):
