@@ -174,6 +174,8 @@ class PythonRunner(hook.Interceptor):
         self.fed_ids: dict = {}        # slot -> id of the object fed
         self.born: dict = {}           # id(tensor) -> (tensor, python value), this iteration
         self.fetch_log: list = []      # Fetch records of this iteration
+        self.fed_order: list = []      # slots in the order they were fed
+        self._raised = None            # op type whose fast path this runner refused last
         self._frozen_cache: dict = {}
 
     # ------------------------------------------------------------------ hook callbacks
@@ -184,15 +186,22 @@ class PythonRunner(hook.Interceptor):
     def op(self, op_type, inputs, attrs, route, run):
         if not self.skipping:  # after a fallback the session routes ops to the recorder
             return run()
+        mark = len(self.fed_order)
         try:
             return self._skip(op_type, inputs, attrs, route)
         except Diverged as d:
-            if d.divergence.reason != "graph error" and self.iteration.switch(d.divergence):
-                try:
-                    return self._skip(op_type, inputs, attrs, route)
-                except Diverged as d2:
-                    d = d2
+            self._rollback(mark)
+            if d.divergence.reason != "graph error":
+                tried = {id(self.iteration.path)}
+                while self.iteration.switch(d.divergence, tried=tried):
+                    try:
+                        return self._skip(op_type, inputs, attrs, route)
+                    except Diverged as d2:
+                        self._rollback(mark)
+                        d = d2
             recorder = self.iteration.fallback(d.divergence)
+            if route == "fallback" and self._raised == op_type:
+                recorder._fast_failed = op_type  # the record keeps its fast-path-first route
             if route != "fast" and isinstance(inputs, list):
                 # converted inputs may be placeholders (passed through while skipping): the op
                 # now really runs, on their values
@@ -209,6 +218,7 @@ class PythonRunner(hook.Interceptor):
         view, p = self.view, self.pos
         if route == "fast" and p < view.n and view.records[p].route == "fallback" and \
                 p in view.fast_fallbacks and view.records[p].op_type == op_type:
+            self._raised = op_type
             raise tfp.FallbackException()
         if self.iteration.run_failed():
             self._diverge("graph error", "no error", "the graph failed")
@@ -218,6 +228,7 @@ class PythonRunner(hook.Interceptor):
         if route == "fast":
             if rec.route != "fast" or rec.op_type != op_type:
                 if op_type in view.fallback_types and self._fallback_ahead(op_type):
+                    self._raised = op_type
                     raise tfp.FallbackException()  # the wrapper retries on route "fallback"
                 self._diverge("different op", rec.op_type, op_type)
             self._check_fast_attrs(rec, attrs, p)
@@ -379,7 +390,15 @@ class PythonRunner(hook.Interceptor):
             self._diverge("feed with a new signature", spec, f"{dtype}{list(shape)}")
         self.fed_ids[slot] = id(obj)
         self.fed[slot] = obj
+        self.fed_order.append(slot)
         self.iteration.put_feed(slot, value)
+
+    def _rollback(self, mark):
+        """Forget feeds of an op that diverged half-way (its channel is drained or replaced)."""
+        while len(self.fed_order) > mark:
+            slot = self.fed_order.pop()
+            self.fed.pop(slot, None)
+            self.fed_ids.pop(slot, None)
 
     def _placeholder(self, rec, j):
         key = (rec.index, j)
@@ -404,7 +423,12 @@ class PythonRunner(hook.Interceptor):
                     self._diverge("gradient call where the path has none", "an op", "tape.gradient")
                 self._diverge("gradient of different tensors", unit.guard, guard)
             except Diverged as d:
-                if not self.iteration.switch(d.divergence):
+                tried = {id(self.iteration.path)}
+                while self.iteration.switch(d.divergence, tried=tried):
+                    u = self.view.units.get(self.pos)
+                    if u is not None and u.guard == guard:
+                        break
+                else:
                     raise
             unit = self.view.units.get(self.pos)
             if unit is None or unit.guard != guard:

@@ -238,13 +238,15 @@ class Path:
     def usable_units(self) -> dict:
         return {s: u for s, u in self.units.items() if not u.feeds or s in self.verified}
 
-    def absorb(self, trace: Trace, liveouts, fetches) -> None:
-        if self.count:
-            for u in self.units.values():  # unit feeds must be the very same (cached) tensors
-                if u.start not in self.verified and all(
-                        trace.feed_values[sl] is self.trace.feed_values[sl] for sl in u.feeds):
-                    self.verified.add(u.start)
-                    self.view = None
+    def absorb(self, trace: Trace, liveouts, fetches, seen_objects=None) -> None:
+        for u in self.units.values():  # unit feeds must be the very same (cached) tensors
+            if u.start not in self.verified and (self.count and all(
+                    trace.feed_values[sl] is self.trace.feed_values[sl] for sl in u.feeds) or
+                    seen_objects is not None and all(
+                    seen_objects.get(id(trace.feed_values[sl])) is trace.feed_values[sl]
+                    for sl in u.feeds)):
+                self.verified.add(u.start)
+                self.view = None
         self.count += 1
         self.liveouts |= set(liveouts)
         for f in fetches:
@@ -269,6 +271,7 @@ class Site:
     last_path: Path | None = None
     trace_graph: object = None
     phase: str = "tracing"
+    seen_objects: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -382,7 +385,7 @@ class Iteration:
                                         f"{self.number} at {self.site.label} was not kept")
             return v
 
-    def switch(self, d: Divergence, at_end: bool = False) -> bool:
+    def switch(self, d: Divergence, at_end: bool = False, tried=None) -> bool:
         """Restart the iteration on another compiled path that agrees with the current one on
         every op matched so far (a branch both paths were traced through): cancel the graph,
         restore the variables, start the other graph and feed it what Python fed so far.
@@ -390,8 +393,10 @@ class Iteration:
         runner, cur, pos = self.runner, self.path, self.runner.pos
         prefix = cur.signature[0][:pos]
         fed_specs = [cur.trace.feeds[sl].spec for sl in sorted(runner.fed)]
+        tried = set() if tried is None else tried
+        tried.add(id(cur))
         for q in self.site.paths.values():
-            if q is cur or q.graph is None or q.stale or q.view is None:
+            if id(q) in tried or q.graph is None or q.stale or q.view is None:
                 continue
             if at_end and q.view.n != pos or not at_end and q.view.n <= pos:
                 continue
@@ -403,6 +408,7 @@ class Iteration:
             if {u.start for u in cur.units.values() if u.end <= pos} != \
                     {u.start for u in q.units.values() if u.end <= pos}:
                 continue
+            tried.add(id(q))
             s = self.session
             with s.internal():
                 if self.run is not None:
@@ -419,7 +425,7 @@ class Iteration:
                 self.path = q
                 self.snap = q.snapshot.take()
                 runner.view = q.view
-                for slot in sorted(runner.fed):
+                for slot in runner.fed_order:
                     self.put_feed(slot, runner.fed[slot])
                 self.fetched = set()
                 if CONFIG.coexecution or self.fetched:
@@ -457,6 +463,7 @@ class Iteration:
             runner.placeholders = {}
             _set_active(None)
             rec.start(self.frame)
+            _set_active(None)  # internal() hands ops to the recorder when Terra's work is done
             rec._keep = None
             self.recorder = rec
             self.mode = "tracing"
@@ -477,6 +484,7 @@ class Iteration:
             else:
                 self._finish_skip()
         if self.mode == "tracing":
+            self.replayed = {}  # bound placeholders keep what the program still holds
             s.finish_trace(self)
         if self.mode == "skip":
             s.python_exec_s += time.perf_counter() - self.t0 - self.stall
@@ -561,17 +569,21 @@ class Session:
         self._graphs: list = []
         self.runner = _Runner(error_context=self._error_context)
         self._warned: set = set()
+        self._depth = 0
 
     # ---------------------------------------------------------------- helpers
     @contextlib.contextmanager
     def internal(self):
         """Run Terra's own TF calls without interception; afterwards route ops to whatever the
         current iteration needs (it may have changed inside)."""
+        self._depth += 1
         _set_active(None)
         try:
             yield
         finally:
-            _set_active(self._interceptor())
+            self._depth -= 1
+            if not self._depth:
+                _set_active(self._interceptor())
 
     def _interceptor(self):
         it = self.iteration
@@ -708,7 +720,8 @@ class Session:
         base = tf.GradientTape.gradient
         it = self.iteration
         if it is None or it.mode not in ("skip", "tracing") or tape not in it.tapes:
-            return base(tape, target, sources, output_gradients, unconnected_gradients)
+            return base(tape, _real(target), _real(sources), _real(output_gradients),
+                        unconnected_gradients)
         flat_args = (tf.nest.flatten(target) + ["|"] + tf.nest.flatten(sources) + ["|"] +
                      tf.nest.flatten(output_gradients) + ["|"] + list(tape._terra_watched))
         if it.mode == "skip":
@@ -721,6 +734,8 @@ class Session:
             except Diverged as d:
                 it.fallback(d.divergence)
         rec = it.recorder
+        target, sources, output_gradients = (_real(target), _real(sources),
+                                             _real(output_gradients))
         guard = tuple(a if isinstance(a, str) else self.guard_ref(it, a) for a in flat_args) + \
             (str(unconnected_gradients), tape._watch_accessed_variables)
         start = len(rec.trace.records)
@@ -798,7 +813,10 @@ class Session:
         if new:
             path = Path(sig, trace, units, id=len(site.paths))
             site.paths[sig] = path
-        path.absorb(trace, live, trace.fetches)
+        path.absorb(trace, live, trace.fetches, site.seen_objects)
+        for v in trace.feed_values:  # tensors seen as feeds: a unit may rely on TF's cached ones
+            if isinstance(v, tfp.EagerTensorBase) and v.shape.num_elements() <= 64:
+                site.seen_objects[id(v)] = v
         detail = (f"new path p{path.id} ({len(trace.records)} ops, {len(trace.feeds)} feeds)"
                   if new else f"path p{path.id} seen {path.count} times")
         if why:
@@ -883,6 +901,14 @@ class Session:
             hook.uninstall()
             self._installed = False
         self.__init__()
+
+
+def _real(structure):
+    """`structure` with placeholders replaced by their values (the tape knows only those)."""
+    if structure is None:
+        return None
+    return tf.nest.map_structure(
+        lambda x: x._terra_materialize() if isinstance(x, Placeholder) else x, structure)
 
 
 def _var_ref(x):
