@@ -111,6 +111,7 @@ class EagerReplay:
         self.feeds = feed_values
         self.env: dict = {}
         self.consts: dict = {}
+        self.converted: dict = {}   # slot -> tensor made from a non-tensor feed value
 
     def value(self, ref, dtype):
         if isinstance(ref, OutputRef):
@@ -119,8 +120,13 @@ class EagerReplay:
             v = self.feeds[ref.slot]
             if isinstance(v, Placeholder):
                 v = v._terra_materialize()
-            spec = self.trace.feeds[ref.slot].spec
-            return v if isinstance(v, tfp.EagerTensorBase) else tf.convert_to_tensor(v, spec.dtype)
+            if isinstance(v, tfp.EagerTensorBase):
+                return v
+            t = self.converted.get(ref.slot)
+            if t is None:
+                t = self.converted[ref.slot] = tf.convert_to_tensor(
+                    v, self.trace.feeds[ref.slot].spec.dtype)
+            return t
         if isinstance(ref, VariableRef):
             var = self.trace.variables[ref.key]
             if dtype == "resource" or dtype is None:
@@ -203,7 +209,7 @@ class ContinuingRecorder(Recorder):
         self.in_unit = False
 
     def seed(self, trace: Trace, upto: int, feed_values: dict, env: dict, placeholders: dict,
-             units: dict, fetches=()) -> None:
+             units: dict, fetches=(), replay=None) -> None:
         """Start from `trace.records[:upto]` whose outputs are `env[(record, index)]`."""
         t = self.trace
         t.records = list(trace.records[:upto])
@@ -229,6 +235,11 @@ class ContinuingRecorder(Recorder):
         for (i, j), value in env.items():
             self._produced[id(value)] = (value, OutputRef(i, j))
         self.units = {s: u for s, u in units.items() if u.end <= upto}
+        if replay is not None:  # tensors the replay made: tapes hold them, gradients read them
+            for ref, c in replay.consts.items():
+                self._born[id(c)] = (c, ref.value)
+            for slot, t in replay.converted.items():
+                self._feeds[id(t)] = (t, FeedRef(slot))
         self._keep = (env, placeholders)
 
     def _ref(self, v, dtype):

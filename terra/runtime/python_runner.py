@@ -30,6 +30,8 @@ from terra.tracing import hook
 from terra.tracing.recorder import _frozen_value, _is_python_value, _python_dtype, freeze_attr
 
 
+PAST_END = "op after the end of the path"
+
 # ------------------------------------------------------------------------------------ records
 @dataclass(frozen=True, slots=True)
 class Divergence:
@@ -199,6 +201,13 @@ class PythonRunner(hook.Interceptor):
                     except Diverged as d2:
                         self._rollback(mark)
                         d = d2
+            if d.divergence.reason == PAST_END:
+                self.iteration.finish_past_end(d.divergence)
+                if route != "fast" and isinstance(inputs, list):
+                    for i, v in enumerate(inputs):
+                        if isinstance(v, Placeholder):
+                            inputs[i] = v._terra_materialize()
+                return run()
             recorder = self.iteration.fallback(d.divergence)
             if route == "fallback" and self._raised == op_type:
                 recorder._fast_failed = op_type  # the record keeps its fast-path-first route
@@ -223,7 +232,7 @@ class PythonRunner(hook.Interceptor):
         if self.iteration.run_failed():
             self._diverge("graph error", "no error", "the graph failed")
         if p >= view.n:
-            self._diverge("op after the end of the path", "end of iteration", op_type)
+            self._diverge(PAST_END, "end of iteration", op_type)
         rec = view.records[p]
         if route == "fast":
             if rec.route != "fast" or rec.op_type != op_type:

@@ -454,12 +454,13 @@ class Iteration:
                 self.path.graph.drain()
                 self.path.snapshot.restore(self.snap)
             self.mode = "done"  # until the replay succeeded
-            env = EagerReplay(self.path.trace, runner.fed, self.tape_spans).run(runner.pos)
+            replay = EagerReplay(self.path.trace, runner.fed, self.tape_spans)
+            env = replay.run(runner.pos)
             self.replayed = env
             bind_placeholders(runner.placeholders, env)
             rec = ContinuingRecorder(self.site.label, CONFIG.max_trace_ops)
             rec.seed(self.path.trace, runner.pos, runner.fed, env, runner.placeholders,
-                     self.path.units, runner.fetch_log)
+                     self.path.units, runner.fetch_log, replay)
             runner.placeholders = {}
             _set_active(None)
             rec.start(self.frame)
@@ -472,6 +473,16 @@ class Iteration:
         return rec
 
     # ---------------------------------------------------------------- end
+    def finish_past_end(self, d: Divergence) -> None:
+        """The program issued an op after the last op of the path (typically: the training loop
+        is over): end the iteration here; that op and the next ones run eagerly, outside any
+        iteration, until the next tape."""
+        s = self.session
+        s._event("end", self.site, self.number, f"iteration ended by {d.observed} after the "
+                 f"last op of the path; following ops run eagerly", d.location)
+        with s.internal():
+            self.finish()
+
     def finish(self) -> None:
         """End the iteration (the next __enter__, reset, or leaving the site)."""
         s = self.session
