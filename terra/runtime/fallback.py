@@ -209,7 +209,7 @@ class ContinuingRecorder(Recorder):
         self.in_unit = False
 
     def seed(self, trace: Trace, upto: int, feed_values: dict, env: dict, placeholders: dict,
-             units: dict, fetches=(), replay=None) -> None:
+             units: dict, fetches=(), replay=None, born=None) -> None:
         """Start from `trace.records[:upto]` whose outputs are `env[(record, index)]`."""
         t = self.trace
         t.records = list(trace.records[:upto])
@@ -235,6 +235,8 @@ class ContinuingRecorder(Recorder):
         for (i, j), value in env.items():
             self._produced[id(value)] = (value, OutputRef(i, j))
         self.units = {s: u for s, u in units.items() if u.end <= upto}
+        for key, (t, value) in (born or {}).items():  # converted while skipping: constants
+            self._born[key] = (t, value)
         if replay is not None:  # tensors the replay made: tapes hold them, gradients read them
             for ref, c in replay.consts.items():
                 self._born[id(c)] = (c, ref.value)
@@ -247,6 +249,14 @@ class ContinuingRecorder(Recorder):
             v = v._terra_materialize()
         if not self.in_unit:  # NumPy values are data; inside tape.gradient, TF's shape constants
             return super()._ref(v, dtype)
+        known = self._feeds.get(id(v)) or self._produced.get(id(v))
+        if known is not None and known[0] is v:  # data the forward pass already fed or made
+            return super()._ref(v, dtype)
+        if isinstance(v, tfp.EagerTensorBase) and v.dtype.is_integer and \
+                v.shape.num_elements() <= self.const_limit and id(v) not in self._born:
+            # an integer tensor gradient code made invisibly (TF's caches): a shape constant,
+            # fixed for a path (its feed shapes are part of the path's signature)
+            return ConstRef(_frozen_value(v.numpy(), v.dtype.name), v.dtype.name)
         if isinstance(v, tfp.EagerTensorBase):
             born = self._born.get(id(v))
             if born is not None and born[0] is v and isinstance(born[1], (np.ndarray, np.generic)) \

@@ -66,6 +66,7 @@ class GradUnit:
     guard: tuple
     result: tuple
     feeds: tuple = ()   # slots first used inside the unit: TF-cached tensors, fed as recorded
+    structure: object = None   # the recorded result when it holds composites (IndexedSlices)
 
 
 def user_line(skip_internal: bool = True, frame=None) -> str:
@@ -234,12 +235,14 @@ class PythonRunner(hook.Interceptor):
         if p >= view.n:
             self._diverge(PAST_END, "end of iteration", op_type)
         rec = view.records[p]
+        # fast and slow routes of one op are the same op (which one TF takes depends on the
+        # inputs' Python types, e.g. a placeholder makes the C fast path bail out)
         if route == "fast":
-            if rec.route != "fast" or rec.op_type != op_type:
+            if rec.route == "function" or rec.op_type != op_type:
                 if op_type in view.fallback_types and self._fallback_ahead(op_type):
                     self._raised = op_type
-                    raise tfp.FallbackException()  # the wrapper retries on route "fallback"
-                self._diverge("different op", rec.op_type, op_type)
+                    raise tfp.FallbackException()  # the wrapper converts, then retries slowly
+                self._diverge("different op", rec.function or rec.op_type, op_type)
             self._check_fast_attrs(rec, attrs, p)
             for arg, e in zip(inputs, rec.inputs):
                 if isinstance(e, tuple):
@@ -251,8 +254,8 @@ class PythonRunner(hook.Interceptor):
                     self._match(arg, e, rec)
         else:
             want = rec.function if route == "function" else rec.op_type
-            if rec.route != route or want != op_type:
-                self._diverge("different op", want, op_type)
+            if (rec.route == "function") != (route == "function") or want != op_type:
+                self._diverge("different op", rec.function or rec.op_type, op_type)
             self._check_full_attrs(rec, attrs, p, route)
             flat = view.flat_inputs[p]
             if len(inputs) != len(flat):
@@ -442,6 +445,7 @@ class PythonRunner(hook.Interceptor):
             unit = self.view.units.get(self.pos)
             if unit is None or unit.guard != guard:
                 self._diverge("gradient call where the path has none", "an op", "tape.gradient")
+        self.last_unit = unit
         for slot in unit.feeds:
             obj = self.view.trace.feed_values[slot]
             self._feed(slot, obj, obj)

@@ -140,7 +140,7 @@ class _Runner(GraphRunner):
 
 # ------------------------------------------------------------------------------------ data
 def _rec_sig(rec):
-    return (rec.op_type, rec.attrs, rec.inputs, rec.route, rec.function, rec.outputs)
+    return (rec.op_type, rec.attrs, rec.inputs, rec.route == "function", rec.function, rec.outputs)
 
 
 def path_signature(trace: Trace, units: dict) -> tuple:
@@ -194,8 +194,8 @@ def generalize(base: Trace, new: Trace):
         return None
 
     for rb, rn in zip(base.records, new.records):
-        if (rb.op_type, rb.attrs, rb.route, rb.function, rb.outputs) != \
-                (rn.op_type, rn.attrs, rn.route, rn.function, rn.outputs):
+        if (rb.op_type, rb.attrs, rb.route == "function", rb.function, rb.outputs) != \
+                (rn.op_type, rn.attrs, rn.route == "function", rn.function, rn.outputs):
             return None
         inputs = []
         for ab, an in zip(rb.inputs, rn.inputs):
@@ -460,7 +460,7 @@ class Iteration:
             bind_placeholders(runner.placeholders, env)
             rec = ContinuingRecorder(self.site.label, CONFIG.max_trace_ops)
             rec.seed(self.path.trace, runner.pos, runner.fed, env, runner.placeholders,
-                     self.path.units, runner.fetch_log, replay)
+                     self.path.units, runner.fetch_log, replay, runner.born)
             runner.placeholders = {}
             _set_active(None)
             rec.start(self.frame)
@@ -741,6 +741,9 @@ class Session:
             try:
                 with self.internal():
                     flat = it.runner.gradient_unit(guard)
+                    unit = it.runner.last_unit
+                if unit.structure is not None:
+                    return tf.nest.pack_sequence_as(unit.structure, flat, expand_composites=True)
                 return tf.nest.pack_sequence_as(sources, flat)
             except Diverged as d:
                 it.fallback(d.divergence)
@@ -756,7 +759,8 @@ class Session:
         finally:
             rec.in_unit = False
         end = len(rec.trace.records)
-        flat = tf.nest.flatten(result)
+        flat = tf.nest.flatten(result, expand_composites=True)
+        composite = len(flat) != len(tf.nest.flatten(result))
         refs = []
         usable = not any(isinstance(g, tuple) for g in guard[:-2] if g is not None)
         for g in flat:
@@ -768,7 +772,8 @@ class Session:
                 usable = False
             refs.append(r)
         if usable and not rec.too_long:
-            rec.units[start] = GradUnit(start, end, guard, tuple(refs))
+            rec.units[start] = GradUnit(start, end, guard, tuple(refs),
+                                        structure=result if composite else None)
         return result
 
     def force_eager(self, what: str) -> None:
@@ -938,7 +943,7 @@ def _units_for(trace, units) -> dict:
     for start, u in units.items():
         feeds = _unit_feeds(trace, u)
         if feeds is not None:
-            out[start] = GradUnit(u.start, u.end, u.guard, u.result, feeds)
+            out[start] = GradUnit(u.start, u.end, u.guard, u.result, feeds, u.structure)
     return out
 
 
