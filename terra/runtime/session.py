@@ -629,6 +629,7 @@ class Session:
         if not self._installed:
             hook.install()
             self._installed = True
+            _install_optimizer_unit()
 
     # ---------------------------------------------------------------- tapes
     def tape_enter(self, tape, frame) -> None:
@@ -776,6 +777,42 @@ class Session:
                                         structure=result if composite else None)
         return result
 
+    def apply_gradients(self, opt, original, grads_and_vars):
+        """`optimizer.apply_gradients` as one coarse unit (guarded on the optimizer object, its
+        plain Python settings, the gradients' producers and the variables)."""
+        it = self.iteration
+        pairs = list(grads_and_vars)
+        if it is None or it.mode not in ("skip", "tracing") or not getattr(opt, "built", False):
+            return original(opt, pairs)
+        settings = tuple((k, v) for k, v in vars(opt).items()
+                         if isinstance(v, (bool, int, float, str, type(None))))
+        flat = tf.nest.flatten([g for g, _ in pairs], expand_composites=True) + \
+            ["|"] + [v for _, v in pairs]
+        if it.mode == "skip":
+            guard = (id(opt), settings) + tuple(
+                x if isinstance(x, str) else self.guard_ref(it, x) for x in flat)
+            try:
+                with self.internal():
+                    it.runner.gradient_unit(guard)
+                return opt.iterations
+            except Diverged as d:
+                it.fallback(d.divergence)
+        rec = it.recorder
+        pairs = [(_real(g), v) for g, v in pairs]
+        flat = [x._terra_materialize() if isinstance(x, Placeholder) else x for x in flat]
+        guard = (id(opt), settings) + tuple(
+            x if isinstance(x, str) else self.guard_ref(it, x) for x in flat)
+        start = len(rec.trace.records)
+        rec.in_unit = True
+        try:
+            result = original(opt, pairs)
+        finally:
+            rec.in_unit = False
+        usable = not any(isinstance(g, tuple) for g in guard[2:] if g is not None)
+        if usable and not rec.too_long:
+            rec.units[start] = GradUnit(start, len(rec.trace.records), guard, ())
+        return result
+
     def force_eager(self, what: str) -> None:
         """Something Terra does not compile (e.g. tape.jacobian): run it eagerly, untraced."""
         it = self.iteration
@@ -919,12 +956,38 @@ class Session:
         self.__init__()
 
 
+_optimizer_patched = False
+
+
+def _install_optimizer_unit():
+    """Route Keras `Optimizer.apply_gradients` through the session (a coarse unit); outside an
+    iteration, or when disabled, it runs unchanged."""
+    global _optimizer_patched
+    if _optimizer_patched:
+        return
+    try:
+        from keras.src.optimizers.base_optimizer import BaseOptimizer
+    except ImportError:  # another Keras layout: no coarse unit, op-by-op matching still works
+        return
+    original = BaseOptimizer.apply_gradients
+
+    def apply_gradients(self, grads_and_vars):
+        if SESSION.iteration is None or not CONFIG.enabled:
+            return original(self, grads_and_vars)
+        return SESSION.apply_gradients(self, original, grads_and_vars)
+
+    apply_gradients.__wrapped__ = original
+    BaseOptimizer.apply_gradients = apply_gradients
+    _optimizer_patched = True
+
+
 def _real(structure):
     """`structure` with placeholders replaced by their values (the tape knows only those)."""
     if structure is None:
         return None
     return tf.nest.map_structure(
-        lambda x: x._terra_materialize() if isinstance(x, Placeholder) else x, structure)
+        lambda x: x._terra_materialize() if isinstance(x, Placeholder) else x, structure,
+        expand_composites=True)
 
 
 def _var_ref(x):

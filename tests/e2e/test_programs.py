@@ -230,8 +230,8 @@ def test_try_except_chooses_ops():
 
 
 # 7 ------------------------------------------------------------------ data-dependent early exit
-def prog_early_exit(Tape, steps=30):
-    model, opt = mlp(5), keras.optimizers.SGD(0.1)
+def prog_early_exit(Tape, steps=40):
+    model, opt = mlp(5), keras.optimizers.SGD(0.02)
     X, Y = data(4)
     losses = []
     for i in range(steps):
