@@ -175,14 +175,15 @@ def global_cancellation_context():
 _call_guard_installed = False
 
 
-def install_function_call_guard(is_placeholder, materialize):
+def install_function_call_guard(placeholder_cls, materialize):
     """Make eager tf.function calls materialize placeholder arguments.
 
     `TensorSpec.cast` passes any `tf.Tensor` subclass through unconverted, so a placeholder would
     reach `TFE_Py_Execute` (which assumes EagerTensors and crashes). `Context.call_function` is the
     one place every eager function call passes (plain and cancellable); wrapping it replaces
-    placeholder inputs by their values. Idempotent; the dispatch hook may later intercept function
-    calls before they get here.
+    instances of exactly `placeholder_cls` by `materialize(p)`. The check is one C-level pass over
+    the input types (a few microseconds for hundreds of captured variables). Idempotent; the
+    dispatch hook may later intercept function calls before they get here.
     """
     global _call_guard_installed
     if _call_guard_installed:
@@ -190,10 +191,9 @@ def install_function_call_guard(is_placeholder, materialize):
     original = _context.Context.call_function
 
     def call_function(self, name, tensor_inputs, num_outputs):
-        for i, t in enumerate(tensor_inputs):
-            if is_placeholder(t):
-                tensor_inputs = [materialize(x) if is_placeholder(x) else x for x in tensor_inputs]
-                break
+        if placeholder_cls in set(map(type, tensor_inputs)):
+            tensor_inputs = [materialize(x) if type(x) is placeholder_cls else x
+                             for x in tensor_inputs]
         return original(self, name, tensor_inputs, num_outputs)
 
     call_function.__wrapped__ = original

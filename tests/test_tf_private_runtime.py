@@ -22,7 +22,7 @@ def test_tensor_classes():
     assert tfp.Tensor is tf.Tensor
     assert type(tf.constant(1.0)) is tfp.EagerTensor
     assert issubclass(tfp.EagerTensor, tfp.Tensor)
-    # Placeholders are built with object.__new__ and set these private fields read by the base class.
+    # Placeholders are built with object.__new__ and set these private fields the base class reads.
     t = object.__new__(type("T", (tfp.Tensor,), {}))
     t._dtype, t._shape_val = tf.float32, tf.TensorShape([2])
     assert t.dtype == tf.float32 and t.shape == [2]

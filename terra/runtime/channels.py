@@ -28,9 +28,9 @@ __all__ = ["FeedChannel", "FetchChannel", "FeedFetchOrder", "case_select_channel
 #: Bound, in seconds, of every Python-side wait when the caller gives none.
 DEFAULT_TIMEOUT = 60.0
 
-_SPIN_S = 100e-6      # poll without sleeping for this long first (lowest latency)
-_SLEEP_MIN_S = 20e-6  # then sleep, doubling from this ...
-_SLEEP_MAX_S = 1e-3   # ... up to this (worst added latency once a wait is long)
+_SPIN_S = 300e-6      # poll without sleeping for this long first (lowest latency)
+_SLEEP_MIN_S = 50e-6  # then sleep, doubling from this ...
+_SLEEP_MAX_S = 500e-6  # ... up to this (added latency and polling cost of long waits)
 
 
 def wait_until(ready, what, timeout=None, watch=None):
@@ -72,7 +72,8 @@ class _Channel:
 
     def __init__(self, dtypes, shapes=None, name=None, capacity=None):
         if not tf.executing_eagerly():
-            raise RuntimeError(f"create {type(self).__name__} {name!r} eagerly, outside tf.function")
+            raise RuntimeError(
+                f"create {type(self).__name__} {name!r} eagerly, outside tf.function")
         single = not isinstance(dtypes, (list, tuple))
         self.dtypes = tuple(tf.dtypes.as_dtype(d) for d in _as_list(dtypes))
         if not self.dtypes:
@@ -109,7 +110,8 @@ class _Channel:
     def _convert(self, value):
         comps = [value] if self.single else _as_list(value)
         if len(comps) != len(self.dtypes):
-            raise ValueError(f"{self.name}: expected {len(self.dtypes)} components, got {len(comps)}")
+            raise ValueError(
+                f"{self.name}: expected {len(self.dtypes)} components, got {len(comps)}")
         out = []
         for v, d, s in zip(comps, self.dtypes, self.shapes):
             t = tf.convert_to_tensor(v, dtype=d)
@@ -209,12 +211,13 @@ class FetchChannel(_Channel):
         self.gets = 0
 
     def enqueue_op(self, value):
-        """Graph side: push `value` (a tensor, or a tuple for several components). Returns the op."""
+        """Graph side: push `value` (a tensor, or a tuple of components). Returns the op."""
         if tf.executing_eagerly():
             raise RuntimeError(f"{self!r}.enqueue_op() is for use inside a tf.function")
         comps = [value] if self.single else _as_list(value)
         if len(comps) != len(self.dtypes):
-            raise ValueError(f"{self.name}: expected {len(self.dtypes)} components, got {len(comps)}")
+            raise ValueError(
+                f"{self.name}: expected {len(self.dtypes)} components, got {len(comps)}")
         return self.queue.enqueue(comps)
 
     def get(self, timeout=None, watch=None):
@@ -262,7 +265,7 @@ class FeedFetchOrder:
 
     Inside a `tf.function`, automatic control dependencies already chain ops on the same queue in
     construction order; these edges are what makes a graph built without them (or emitted out of
-    trace order) safe, and they make the stall timer of a timed dequeue start when it can really run.
+    trace order) safe, and they make the stall timer of a timed dequeue start when it can run.
     """
 
     def __init__(self):

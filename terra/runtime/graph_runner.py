@@ -21,11 +21,13 @@ Timing: `exec_seconds` is the wall time of runs on the worker; graph stall (wait
 measured inside the graph by timed FeedChannels; Python stall is the time spent in
 `FetchChannel.get`. `timing(...)` gathers all three.
 """
+import atexit
 import collections
 import dataclasses
 import re
 import threading
 import time
+import weakref
 
 import tensorflow as tf
 
@@ -33,8 +35,8 @@ from terra import _tf_private as tfp
 from terra.runtime.channels import DEFAULT_TIMEOUT, wait_until
 from terra.runtime.errors import TerraRuntimeError
 
-__all__ = ["GraphRunner", "GraphRun", "Timing", "timing", "op_node_name", "op_index_of",
-           "with_error_context"]
+__all__ = ["GraphRunner", "GraphRun", "FetchResolver", "Timing", "timing", "op_node_name",
+           "op_index_of", "with_error_context"]
 
 _OP_NAME_PREFIX = "terra_op_"
 _NODE_RE = re.compile(r"\{\{node ([^}]+)\}\}")
@@ -68,7 +70,10 @@ def with_error_context(error, error_context, index_of=op_index_of):
     idx = _failing_op_index(error, index_of)
     if idx is None:
         return error
-    extra = error_context(idx)
+    try:
+        extra = error_context(idx)
+    except Exception as hook_error:  # noqa: BLE001 - never lose the graph's own error
+        extra = f"(error_context({idx}) failed: {hook_error!r})"
     if not extra:
         return error
     msg = f"{error.message}\n{extra}"
@@ -108,6 +113,19 @@ class GraphRun:
         return f"GraphRun(#{self.index}, {self.state})"
 
 
+_live_runners = weakref.WeakSet()
+
+
+@atexit.register
+def _cancel_live_runners():
+    # A daemon thread still blocked inside a graph at interpreter shutdown can crash TF's teardown.
+    for runner in list(_live_runners):
+        try:
+            runner.cancel(timeout=1.0)
+        except Exception:  # noqa: BLE001, S110 - best effort at exit
+            pass
+
+
 class GraphRunner:
     """Runs graph functions on one background daemon thread; see the module docstring."""
 
@@ -122,6 +140,7 @@ class GraphRunner:
         self._cv = threading.Condition()
         self._thread = None
         self._next_index = 0
+        _live_runners.add(self)
 
     # ---- worker ---------------------------------------------------------------------------
     def _ensure_thread(self):
@@ -230,9 +249,18 @@ class GraphRunner:
         raise self._translate(run.error)
 
     def fetch(self, channel, timeout=None):
-        """`channel.get` that reports a failed graph at once and cancels it on Ctrl-C."""
+        """`channel.get` that reports a failed graph at once and cancels it on Ctrl-C.
+
+        Also fails at once (TerraRuntimeError) when every started run has ended and the channel
+        is empty, instead of waiting for the timeout.
+        """
+        def watch():
+            self.check()
+            if self.done and channel.size() == 0:  # nothing left that could still produce it
+                raise TerraRuntimeError(f"no graph run is active that could fill {channel!r}")
+
         try:
-            return channel.get(timeout=timeout, watch=self.check)
+            return channel.get(timeout=timeout, watch=watch)
         except KeyboardInterrupt:
             self.cancel()
             raise
@@ -250,8 +278,8 @@ class GraphRunner:
                 r.manager.start_cancel()
                 if r.state == "pending":  # never picked up by the worker: end it here
                     r.state = "cancelled"
-                    r.error = tf.errors.CancelledError(None, None,
-                                                       f"graph run #{r.index} cancelled before it started")
+                    r.error = tf.errors.CancelledError(
+                        None, None, f"graph run #{r.index} cancelled before it started")
                     r._done.set()
             self._work = collections.deque(r for r in self._work if r not in runs)
         timeout = DEFAULT_TIMEOUT if timeout is None else timeout
@@ -260,6 +288,21 @@ class GraphRunner:
         with self._cv:
             self._runs = collections.deque(r for r in self._runs if r not in runs)
         return [r for r in runs if r.state == "cancelled"]
+
+
+class FetchResolver:
+    """Placeholder resolver that fetches the value from a running graph (one `runner.fetch`)."""
+
+    __slots__ = ("runner", "channel", "timeout")
+
+    def __init__(self, runner, channel, timeout=None):
+        self.runner, self.channel, self.timeout = runner, channel, timeout
+
+    def resolve(self):
+        return self.runner.fetch(self.channel, timeout=self.timeout)
+
+    def __repr__(self):
+        return f"FetchResolver({self.channel!r})"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,8 @@ Where the value is needed it is materialized through the resolver, once, and cac
 - `numpy()`, `__array__`, `__float__`, `__int__`, `__index__`, `__bool__`, `__len__`, `__format__`,
   `__repr__`/`__str__` are Python sync points: they fetch.
 
-After a fallback the runtime re-binds a placeholder to its real EagerTensor (`_terra_bind`): user code
-keeps placeholders in lists and attributes across iterations, and from then on every attribute,
+After a fallback the runtime re-binds a placeholder to its real EagerTensor (`_terra_bind`): user
+code keeps placeholders in lists and attributes across iterations, and from then on every attribute,
 conversion and sync point forwards to the bound tensor.
 """
 import itertools
@@ -46,7 +46,7 @@ class _DummyOp:
 
 
 class ConstantResolver:
-    """Resolver that returns a value it already holds (tests, and values known on the Python side)."""
+    """Resolver returning a value it already holds (tests; values known on the Python side)."""
 
     __slots__ = ("value", "calls")
 
@@ -76,7 +76,7 @@ class Placeholder(tfp.Tensor):
     @classmethod
     def create(cls, dtype, shape, resolver, terra_id=None):
         _check_resolver(resolver)
-        tfp.install_function_call_guard(is_placeholder, _materialize)
+        tfp.install_function_call_guard(Placeholder, _materialize)
         self = object.__new__(cls)
         d = self.__dict__
         d["_dtype"] = tf.dtypes.as_dtype(dtype)
@@ -124,9 +124,8 @@ class Placeholder(tfp.Tensor):
         v = self._terra_value
         return v.device if v is not None else ""
 
-    @property
-    def graph(self):
-        return None
+    # No `graph` attribute: like an EagerTensor's, it raises AttributeError (tf.Variable's
+    # initializer check reads `initial_value.graph` only when `hasattr` finds it).
 
     @property
     def is_materialized(self):
@@ -141,7 +140,8 @@ class Placeholder(tfp.Tensor):
     # ---- value -------------------------------------------------------------------------------
     def _check_value(self, value, where):
         if not isinstance(value, tfp.EagerTensor):
-            raise TypeError(f"{where} for {self._name} must give an EagerTensor, got {type(value)!r}")
+            raise TypeError(
+                f"{where} for {self._name} must give an EagerTensor, got {type(value)!r}")
         if value.dtype != self._dtype:
             raise TypeError(f"{where} for {self._name} gave dtype {value.dtype.name}, "
                             f"expected {self._dtype.name}")

@@ -8,27 +8,38 @@ Two signals, each exact for what it covers:
   (each has its own code object and frame).
 * **Loop iterations** need more, because an iteration can skip every op of the previous one. Loops
   are found statically per code object (backward jumps give ``[head, back-jump]`` bytecode
-  ranges). While an iteration is recorded, a global trace function (`sys.settrace`, this thread
-  only) gives a line tracer to frames whose code contains loops; every other frame costs one dict
-  lookup per call. CPython reports a line event on every backward jump, so each pass through a loop
-  head is counted exactly, whether or not the pass issued ops. Frames without loops have no line
-  tracer at all.
+  ranges). In *user* code (not Terra, not under site-packages or the standard library), passes
+  are counted exactly: while an iteration is recorded, a global trace function (`sys.settrace`,
+  this thread only) gives a line tracer to user frames whose code contains loops, and CPython
+  reports a line event on every backward jump, so each pass through a loop head is counted
+  whether or not it issued ops. Every other frame costs one dict lookup per call.
+  In *library* frames (TF, Keras, stdlib) line tracing would cost several events per op, so
+  passes are counted at op time instead (`LibraryFrameLoops`): a new pass starts when the frame
+  issues an op at a smaller bytecode offset than its previous op, or at the same offset through a
+  different callee frame. That is exact for library loops whose passes run the same code
+  (Sequential's loop over layers, an optimizer's loop over variables); it merges a pass into the
+  previous one when the pass issues no op, or only ops later in the body than the previous pass.
 
-Frames of Terra itself are left out. Frames of TF and Keras are kept (their loops, e.g.
-Sequential's loop over layers or an eager `tf.while_loop`, are what tells two layers' ops apart),
-and the whole stack is interned: one dict lookup maps a (code, offset, iterations) key to a shared
-`Location`.
+Frames of Terra itself are left out; tracing is paused while Terra's own code runs. Frames of TF
+and Keras are kept (their loops are what tells two Sequential layers' ops apart), and the whole
+stack is interned: one dict lookup maps a (code, offset, iterations) key to a shared `Location`.
 """
 from __future__ import annotations
 
 import dis
 import os
 import sys
+import sysconfig
 import warnings
 
 from terra.ir.records import Location, LoopIter
 
 _TERRA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_LIBRARY_DIRS = tuple(sorted({os.path.realpath(p) + os.sep for key in ("stdlib", "platstdlib",
+                                                                       "purelib", "platlib")
+                              if (p := sysconfig.get_paths().get(key))} |
+                             {os.path.realpath(p) + os.sep for p in sys.path
+                              if p.endswith(("site-packages", "dist-packages"))}))
 _BACKWARD_JUMPS = {"JUMP_BACKWARD", "POP_JUMP_BACKWARD_IF_TRUE", "POP_JUMP_BACKWARD_IF_FALSE",
                    "POP_JUMP_BACKWARD_IF_NONE", "POP_JUMP_BACKWARD_IF_NOT_NONE"}
 
@@ -40,13 +51,15 @@ class CodeInfo:
     backward-jump target to whether it starts a source line (then a line event there can also be
     plain fall-through, told apart by the previous event's offset).
     """
-    __slots__ = ("label", "internal", "loops", "loop_ids")
+    __slots__ = ("label", "internal", "library", "loops", "loop_ids", "traced")
 
     def __init__(self, code):
         self.label = f"{os.path.basename(code.co_filename)}:{getattr(code, 'co_qualname', code.co_name)}"
         self.internal = code.co_filename.startswith(_TERRA_DIR)
+        self.library = os.path.realpath(code.co_filename).startswith(_LIBRARY_DIRS)
         self.loops = () if self.internal else find_loops(code)
         self.loop_ids = tuple(f"{self.label}@{start}" for start, _, _ in self.loops)
+        self.traced = bool(self.loops) and not self.library  # user code with loops: line events
 
 
 def find_loops(code) -> tuple:
@@ -131,22 +144,86 @@ class FrameLoops:
         return tuple(out)
 
 
-def _global_trace(frame, event, arg):
-    """Called by CPython for every new (or resumed) frame on the recording thread."""
-    info = _infos.get(frame.f_code)
+class LibraryFrameLoops:
+    """Loop state of a library frame (TF, Keras, stdlib), updated at op time only: a pass ends
+    when the frame issues an op at a smaller offset than its last op, or at the same offset
+    through a different callee frame (the call ran again). Exact when each pass starts at or
+    before the previous pass's last op offset (passes running the same code); an op-less pass,
+    or one issuing only ops later in the body, is merged into the previous pass."""
+    __slots__ = ("loops", "iters", "last", "last_child", "ignored")
+
+    def __init__(self, info: CodeInfo, ignore_at: int | None = None):
+        self.loops = info.loops
+        self.iters = [None] * len(info.loops)
+        self.last = None
+        self.last_child = None
+        self.ignored = tuple(ignore_at is not None and s <= ignore_at <= e for s, e, _ in info.loops)
+
+    def at(self, o: int, child) -> tuple:
+        iters, loops, last = self.iters, self.loops, self.last
+        for i, (s, e, _) in enumerate(loops):
+            if s <= o <= e:
+                if iters[i] is None:
+                    iters[i] = 0
+            else:
+                iters[i] = None
+        if last is not None and (o < last or (o == last and child is not self.last_child)):
+            inner = None
+            for i, (s, e, _) in enumerate(loops):
+                if s <= o <= e and s <= last <= e:
+                    inner = i  # loops are sorted outermost first: the last hit is innermost
+            if inner is not None:
+                iters[inner] += 1
+                s0, e0, _ = loops[inner]
+                for j in range(inner + 1, len(loops)):  # loops nested inside restart
+                    s, e, _ = loops[j]
+                    if s0 <= s and e <= e0 and s <= o <= e:
+                        iters[j] = 0
+        self.last, self.last_child = o, child
+        out = ()
+        for i, (s, e, _) in enumerate(loops):
+            if s <= o <= e and not self.ignored[i]:
+                out += ((i, iters[i]),)
+        return out
+
+
+_traced: dict = {}  # code -> CodeInfo for user code with loops, None for every other code
+
+
+def _global_trace(frame, event, arg, _get=_traced.get, _missing=_traced):
+    """Called by CPython for every new (or resumed) frame on the recording thread: kept to one
+    dict lookup for the frames that need nothing."""
+    info = _get(frame.f_code, _missing)
     if info is None:
-        info = code_info(frame.f_code)
-    if not info.loops:
         return None
+    if info is _missing:
+        info = code_info(frame.f_code)
+        info = _traced[frame.f_code] = info if info.traced else None
+        if info is None:
+            return None
     return frame.f_trace or FrameLoops(info).tracer
+
+
+def pause_tracking():
+    """Turn line tracing off while Terra's own code runs (it would slow every line)."""
+    if sys.gettrace() is _global_trace:
+        sys.settrace(None)
+        return True
+    return False
+
+
+def resume_tracking(paused: bool) -> None:
+    if paused:
+        sys.settrace(_global_trace)
 
 
 class Locator:
     """Computes `Location`s for ops issued below `root` (a frame) on the current thread.
 
-    `Locator(root, track_loops=True)` starts loop tracking (if another trace function, e.g. a
-    debugger or coverage, is installed, loops are not tracked and a warning says so); `close()`
-    stops it. `location()` is called from inside Terra at op time.
+    `Locator(root, track_loops=True)` starts exact loop tracking for user frames (if another trace
+    function, e.g. a debugger or coverage, is installed, or `track_loops=False`, user loops are
+    counted at op time like library loops; a warning says so in the first case); `close()` stops
+    it. `location()` is called from inside Terra at op time.
     """
 
     def __init__(self, root, track_loops: bool = True):
@@ -157,7 +234,7 @@ class Locator:
         while f is not None:
             self._stop.add(f)
             f = f.f_back
-        self._cache: dict = {}
+        self._library: dict = {}  # frame -> LibraryFrameLoops (frames held until close)
         self.tracking = False
         if track_loops:
             if sys.gettrace() is not None:
@@ -166,7 +243,8 @@ class Locator:
             else:
                 for f in self._stop:
                     info = code_info(f.f_code)
-                    if info.loops and not isinstance(getattr(f.f_trace, "__self__", None), FrameLoops):
+                    if info.traced and not isinstance(getattr(f.f_trace, "__self__", None),
+                                                      FrameLoops):
                         f.f_trace = FrameLoops(info, ignore_at=f.f_lasti).tracer
                 sys.settrace(_global_trace)
                 self.tracking = True
@@ -181,35 +259,56 @@ class Locator:
                     f.f_trace = None
                 f = f.f_back
         self._stop = set()
+        self._library = {}
 
     def location(self, frame=None) -> Location:
         """Location of the op issued from `frame` (default: the caller's frame)."""
         f = sys._getframe(1) if frame is None else frame
         stop = self._stop
         key = []
+        child = None
         while f is not None:
             info = _infos.get(f.f_code) or code_info(f.f_code)
             if not info.internal:
                 lasti = f.f_lasti
-                if info.loops:
+                if not info.loops:
+                    key.append((info, lasti, ()))
+                elif info.library or not self.tracking:  # op-time pass counting
+                    state = self._library.get(f)
+                    if state is None:
+                        state = self._library[f] = LibraryFrameLoops(
+                            info, ignore_at=lasti if f in stop else None)
+                    key.append((info, lasti, state.at(lasti, child)))
+                else:
                     state = getattr(f.f_trace, "__self__", None)
                     iters = state.at(lasti) if isinstance(state, FrameLoops) else ()
                     key.append((info, lasti, iters))
-                else:
-                    key.append((info, lasti, ()))
             if f in stop:
                 break
+            child = f
             f = f.f_back
         key = tuple(key)
-        loc = self._cache.get(key)
+        loc = _locations.get(key)
         if loc is None:
-            loc = self._cache[key] = _build(key)
+            if len(_locations) > _MAX_LOCATIONS:
+                _locations.clear()
+            loc = _locations[key] = _build(key)
         return loc
+
+
+# Interned across recordings: the same program point gives the same `Location` object.
+_locations: dict = {}
+_MAX_LOCATIONS = 1 << 18
+_frame_labels: dict = {}
 
 
 def _build(key) -> Location:
     frames, loops = [], []
     for info, lasti, iters in reversed(key):  # root first
-        frames.append(f"{info.label}@{lasti}")
-        loops.extend(LoopIter(info.loop_ids[i], it) for i, it in iters)
+        label = _frame_labels.get((info, lasti))
+        if label is None:
+            label = _frame_labels[(info, lasti)] = f"{info.label}@{lasti}"
+        frames.append(label)
+        for i, it in iters:
+            loops.append(LoopIter(info.loop_ids[i], it))
     return Location(tuple(frames), tuple(loops))

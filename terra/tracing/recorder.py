@@ -25,7 +25,7 @@ from terra import _tf_private as tfp
 from terra.ir.records import (ConstRef, Feed, FeedRef, Fetch, OpRecord, OutputRef, TensorSpec,
                               Trace, VariableRef)
 from terra.tracing import hook
-from terra.tracing.locations import Locator
+from terra.tracing.locations import Locator, pause_tracking, resume_tracking
 
 DEFAULT_CONST_LIMIT = 16
 
@@ -53,8 +53,19 @@ def _string(v):
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+_dtype_names: dict = {}
+
+
 def _dtype_name(v) -> str:
-    return tf.as_dtype(v).name
+    try:
+        return _dtype_names[v]
+    except (KeyError, TypeError):
+        name = tf.as_dtype(v).name
+        try:
+            _dtype_names[v] = name
+        except TypeError:  # unhashable (e.g. a numpy dtype subclass instance)
+            pass
+        return name
 
 
 _FREEZE = {
@@ -96,7 +107,7 @@ def _from_proto(av, attr_type: str):
     raise TypeError(f"attr type {attr_type!r} is not supported")
 
 
-def _pairs(flat) -> list:
+def _pairs(flat) -> list:  # (name, value, name, value, ...) -> [(name, value), ...]
     return [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
 
 
@@ -142,9 +153,54 @@ def _flat_outputs(result) -> list:
     return [result]
 
 
+_specs: dict = {}
+
+
 def _spec(t) -> TensorSpec:
-    shape = t.shape
-    return TensorSpec(t.dtype.name, None if shape.rank is None else tuple(shape.as_list()))
+    """TensorSpec of an eager tensor (interned: most specs repeat)."""
+    key = (t._datatype_enum(), t._shape_tuple())  # pylint: disable=protected-access
+    spec = _specs.get(key)
+    if spec is None:
+        shape = key[1]
+        spec = _specs[key] = TensorSpec(t.dtype.name, None if shape is None else tuple(shape))
+    return spec
+
+
+class OpInfo:
+    """What the recorder needs from an op_def, computed once per op type."""
+    __slots__ = ("op_def", "inputs", "outputs", "attr_types", "defaults")
+
+    def __init__(self, op_def):
+        self.op_def = op_def
+        # (type_attr, number_attr, type_list_attr, fixed dtype name or None) per input / output
+        self.inputs = tuple(_arg_info(a) for a in op_def.input_arg)
+        self.outputs = tuple(_arg_info(a) for a in op_def.output_arg)
+        self.attr_types = {a.name: a.type for a in op_def.attr}
+        self.defaults = {}
+        for a in op_def.attr:
+            if a.HasField("default_value"):
+                try:
+                    self.defaults[a.name] = _from_proto(a.default_value, a.type)
+                except TypeError:
+                    pass  # a func/tensor default: only a problem if the op is recorded
+
+
+def _arg_info(a) -> tuple:
+    return (a.type_attr, a.number_attr, a.type_list_attr,
+            tf.as_dtype(a.type).name if a.type else None)
+
+
+_op_infos: dict = {}
+
+
+def op_info(op_type: str):
+    info = _op_infos.get(op_type)
+    if info is None:
+        op_def = tfp.get_op_def(op_type)
+        if op_def is None:
+            return None
+        info = _op_infos[op_type] = OpInfo(op_def)
+    return info
 
 
 class _Unsupported(Exception):
@@ -178,7 +234,8 @@ class Recorder(hook.Interceptor):
         self._feeds: dict = {}      # id(obj) -> (obj, FeedRef)
         self._handles: dict = {}    # id(handle) -> (handle, variable or None)
         self._functions: dict = {}  # name -> AtomicFunction seen via call_flat
-        self._fast_failed: str | None = None
+        self._fast_failed: str | None = None  # op type whose fast-path attempt just fell back
+        self._problems: list = []               # why the op being recorded cannot be replayed
         self._locator = None
         self._token = None
         self.recording = False
@@ -241,7 +298,14 @@ class Recorder(hook.Interceptor):
             self.trace.fetches.append(Fetch(ref, len(self.trace.records), how))
 
     def op(self, op_type, inputs, attrs, route, run):
-        location = self._locator.location()
+        paused = pause_tracking()
+        try:
+            return self._op(op_type, inputs, attrs, route, run)
+        finally:
+            resume_tracking(paused)
+
+    def _op(self, op_type, inputs, attrs, route, run):
+        location = self._locator.location(sys._getframe(3))
         try:
             result = run()
         except tfp.FallbackException:
@@ -275,16 +339,16 @@ class Recorder(hook.Interceptor):
             refs = tuple(self._ref(v, None) for v in inputs)
             frozen = tuple(sorted(_pairs(attrs)))
         else:
-            op_def = tfp.get_op_def(op_type)
-            if op_def is None:
+            info = op_info(op_type)
+            if info is None:
                 raise _Unsupported("no op definition")
             if route == "fast":
-                per_arg = list(inputs)
-                full = self._fast_attrs(op_def, per_arg, attrs, outputs)
+                per_arg = inputs
+                full = self._fast_attrs(info, per_arg, attrs, outputs)
             else:
-                full = self._frozen_attrs(op_def, _pairs(attrs))
-                per_arg = _regroup(op_def, list(inputs), full)
-            refs = tuple(self._arg_refs(arg, v, full) for arg, v in zip(op_def.input_arg, per_arg))
+                full = self._frozen_attrs(info, attrs)
+                per_arg = _regroup(info, list(inputs), full)
+            refs = tuple(self._arg_refs(arg, v, full) for arg, v in zip(info.inputs, per_arg))
             frozen = tuple(sorted(full.items()))
             if op_type in STATE_CREATING_OPS:
                 self._problems.append("creates state")
@@ -318,53 +382,53 @@ class Recorder(hook.Interceptor):
             self._produced[id(t)] = (t, OutputRef(rec.index, j))
 
     # ------------------------------------------------------------------------------ attrs
-    def _frozen_attrs(self, op_def, pairs, defaults: bool = True) -> dict:
-        types = {a.name: a.type for a in op_def.attr}
+    def _frozen_attrs(self, info: OpInfo, flat, defaults: bool = True) -> dict:
+        types = info.attr_types
         full = {}
-        for name, value in pairs:
+        for i in range(0, len(flat), 2):
+            name, value = flat[i], flat[i + 1]
             attr_type = types.get(name)
             if attr_type is None:
                 raise _Unsupported(f"unknown attr {name!r}")
             if value is None and attr_type != "shape":
                 continue  # None means "the default" (e.g. Squeeze's axis)
             full[name] = freeze_attr(attr_type, value)
-        if not defaults:
-            return full
-        for a in op_def.attr:  # defaults the caller left out
-            if a.name not in full and a.HasField("default_value"):
-                full[a.name] = _from_proto(a.default_value, a.type)
+        if defaults:
+            self._add_defaults(info, full)
         return full
 
-    def _fast_attrs(self, op_def, per_arg, attrs, outputs) -> dict:
+    def _add_defaults(self, info: OpInfo, full: dict) -> None:
+        for name, value in info.defaults.items():
+            if name not in full:
+                full[name] = value
+
+    def _fast_attrs(self, info: OpInfo, per_arg, attrs, outputs) -> dict:
         """The fast path passes only non-inferred attrs: infer the rest from inputs and outputs."""
-        full = self._frozen_attrs(op_def, _pairs(attrs), defaults=False)
-        for arg, v in zip(op_def.input_arg, per_arg):
-            if arg.number_attr:
-                full.setdefault(arg.number_attr, len(v))
-            if arg.type_list_attr:
-                full.setdefault(arg.type_list_attr, tuple(self._dtype_of(e, arg) for e in v))
-            if arg.type_attr and arg.type_attr not in full:
+        full = self._frozen_attrs(info, attrs, defaults=False)
+        for (type_attr, number_attr, type_list_attr, _), v in zip(info.inputs, per_arg):
+            if number_attr and number_attr not in full:
+                full[number_attr] = len(v)
+            if type_list_attr and type_list_attr not in full:
+                full[type_list_attr] = tuple(self._dtype_of(e) for e in v)
+            if type_attr and type_attr not in full:
                 d = self._tensor_dtype(v)
                 if d is not None:
-                    full[arg.type_attr] = d
+                    full[type_attr] = d
         # Outputs are authoritative for the attrs they depend on.
         pos = 0
-        for arg in op_def.output_arg:
+        for type_attr, number_attr, type_list_attr, _ in info.outputs:
             n = 1
-            if arg.number_attr:
-                n = full.get(arg.number_attr, 1)
-            elif arg.type_list_attr:
-                n = len(full.get(arg.type_list_attr, ()))
-            group = outputs[pos:pos + n]
-            if arg.type_attr and group:
-                full[arg.type_attr] = group[0].dtype.name
+            if number_attr:
+                n = full.get(number_attr, 1)
+            elif type_list_attr:
+                n = len(full.get(type_list_attr, ()))
+            if type_attr and pos < len(outputs):
+                full[type_attr] = _spec(outputs[pos]).dtype
             pos += n
-        for arg, v in zip(op_def.input_arg, per_arg):  # Python-only inputs: TF's default dtype
-            if arg.type_attr and arg.type_attr not in full:
-                full[arg.type_attr] = _python_dtype(v)
-        for a in op_def.attr:
-            if a.name not in full and a.HasField("default_value"):
-                full[a.name] = _from_proto(a.default_value, a.type)
+        for (type_attr, _, _, _), v in zip(info.inputs, per_arg):  # Python-only inputs
+            if type_attr and type_attr not in full:
+                full[type_attr] = _python_dtype(v)
+        self._add_defaults(info, full)
         return full
 
     def _tensor_dtype(self, v):
@@ -378,17 +442,18 @@ class Recorder(hook.Interceptor):
                 return tf.as_dtype(e.dtype).name
         return None
 
-    def _dtype_of(self, e, arg) -> str:
+    def _dtype_of(self, e) -> str:
         d = self._tensor_dtype(e)
         return d if d is not None else _python_dtype(e)
 
     # ------------------------------------------------------------------------------- refs
     def _arg_refs(self, arg, value, full):
-        if arg.number_attr or arg.type_list_attr:
-            dtypes = (full[arg.type_list_attr] if arg.type_list_attr
-                      else [_arg_dtype(arg, full)] * len(value))
+        type_attr, number_attr, type_list_attr, fixed = arg
+        if number_attr or type_list_attr:
+            dtypes = (full[type_list_attr] if type_list_attr
+                      else [full.get(type_attr) if type_attr else fixed] * len(value))
             return tuple(self._ref(e, d) for e, d in zip(value, dtypes))
-        return self._ref(value, _arg_dtype(arg, full))
+        return self._ref(value, full.get(type_attr) if type_attr else fixed)
 
     def _ref(self, v, dtype):
         """Ref for one input value; `dtype` is what the op expects (None: take the value's)."""
@@ -404,8 +469,10 @@ class Recorder(hook.Interceptor):
                         v.dtype.name == "string" and v.shape.rank == 0:
                     return ConstRef(_frozen_value(born[1], v.dtype.name), v.dtype.name)
                 return self._feed(v, _spec(v), "python-constant")
-            source = "numpy" if born is not None and born[0] is v else "eager-tensor"
-            return self._feed(v, _spec(v), source)
+            if born is not None and born[0] is v and isinstance(born[1], np.ndarray):
+                # The user's array is the feed value, so it can be substituted by identity.
+                return self._feed(v, _spec(v), "numpy", value=born[1])
+            return self._feed(v, _spec(v), "eager-tensor")
         if isinstance(v, tfp.BaseResourceVariable):
             return self._variable(v.handle)
         if isinstance(v, np.ndarray):
@@ -419,7 +486,9 @@ class Recorder(hook.Interceptor):
             return self._feed(v, TensorSpec(d, tuple(a.shape)), "python-constant")
         raise _Unsupported(f"input of type {type(v).__name__}")
 
-    def _feed(self, obj, spec: TensorSpec, source: str) -> FeedRef:
+    def _feed(self, obj, spec: TensorSpec, source: str, value=None) -> FeedRef:
+        """Feed slot for external object `obj` (one slot per object); `value` (default `obj`)
+        is what `trace.feed_values` records for it."""
         entry = self._feeds.get(id(obj))
         if entry is not None and entry[0] is obj:
             return entry[1]
@@ -428,7 +497,7 @@ class Recorder(hook.Interceptor):
         trace = self.trace
         ref = FeedRef(len(trace.feeds))
         trace.feeds.append(Feed(ref.slot, spec, source))
-        trace.feed_values.append(obj)
+        trace.feed_values.append(obj if value is None else value)
         self._feeds[id(obj)] = (obj, ref)
         return ref
 
@@ -445,24 +514,12 @@ class Recorder(hook.Interceptor):
         return VariableRef(key)
 
 
-def _arg_dtype(arg, full):
-    if arg.type_attr:
-        return full.get(arg.type_attr)
-    if arg.type:
-        return tf.as_dtype(arg.type).name
-    return None
-
-
-def _regroup(op_def, flat, full) -> list:
+def _regroup(info: OpInfo, flat, full) -> list:
     """Flat fallback-route inputs -> one entry per op_def input arg (lists for list args)."""
     out, pos = [], 0
-    for arg in op_def.input_arg:
-        if arg.number_attr:
-            n = full[arg.number_attr]
-            out.append(flat[pos:pos + n])
-            pos += n
-        elif arg.type_list_attr:
-            n = len(full[arg.type_list_attr])
+    for _, number_attr, type_list_attr, _ in info.inputs:
+        if number_attr or type_list_attr:
+            n = full[number_attr] if number_attr else len(full[type_list_attr])
             out.append(flat[pos:pos + n])
             pos += n
         else:

@@ -269,3 +269,59 @@ def test_compile_rejects_unsupported_and_bad_outputs():
         compile_trace(Trace("t"), [OutputRef(0)])
     with pytest.raises(TypeError):
         compile_trace("not a trace")
+
+
+def test_fallback_list_inputs_multi_outputs_and_python_constants():
+    kv = keras.Variable(np.arange(4, dtype="float32").reshape(2, 2))
+    x0 = tf.constant([[1.0, 2.0], [3.0, 4.0]])
+
+    def prog(x):
+        c = tf.concat([kv, x], axis=0)           # fallback route, list input regrouped
+        a, b = tf.split(c, 2, axis=0)            # two outputs
+        s = tf.add_n([a, b, x * 0.5])            # list input on the fast path
+        return tf.reduce_sum(s, axis=[0, 1])
+    with Recorder() as rec:
+        out = prog(x0)
+    ops = {r.op_type: r.route for r in rec.trace.records}
+    assert ops["ConcatV2"] == "fallback" and ops["AddN"] == "fast"
+    fn = compile_trace(rec.trace, [rec.ref_of(out)])
+    x1 = tf.constant([[5.0, -1.0], [0.5, 2.0]])
+    (got,) = fn(substitute_feeds(rec.trace, [(x0, x1)]))
+    np.testing.assert_array_equal(got.numpy(), prog(x1).numpy())
+
+
+def test_raw_variable_input_gets_an_explicit_read():
+    from terra.ir.records import Location, OpRecord, TensorSpec, Trace, VariableRef
+    v = tf.Variable([1.0, 2.0])
+    loc = Location(("t.py:f@0",))
+    trace = Trace("t", variables={1: v})
+    trace.records.append(OpRecord(0, "AddV2", (("T", "float32"),),
+                                  (VariableRef(1), ConstRef((3.0, 4.0), "float32")),
+                                  (TensorSpec("float32", (2,)),), loc))
+    trace.records.append(OpRecord(1, "AssignVariableOp", (("dtype", "float32"), ("validate_shape", False)),
+                                  (VariableRef(1), OutputRef(0)), (), loc))
+    fn = compile_trace(trace, [OutputRef(0)])
+    (out,) = fn([])
+    np.testing.assert_array_equal(out.numpy(), [4.0, 6.0])
+    np.testing.assert_array_equal(v.numpy(), [4.0, 6.0])  # the write landed in the real variable
+    fn([])
+    np.testing.assert_array_equal(v.numpy(), [7.0, 10.0])
+    with pytest.raises(ValueError, match="takes 0 feed values"):
+        fn([1.0])
+
+
+def test_numpy_inputs_are_feeds_substitutable_by_identity():
+    w = tf.Variable([[1.0], [2.0]])
+    a0 = np.array([[1.0, 2.0]], "float32")
+
+    def prog(a):
+        return tf.matmul(tf.convert_to_tensor(a), w) + np.float32(1.0)
+    with Recorder() as rec:
+        out = prog(a0)
+    assert rec.trace.feeds[0].source == "numpy" and rec.trace.feed_values[0] is a0
+    fn = compile_trace(rec.trace, [rec.ref_of(out)])
+    a1 = np.array([[3.0, -1.0]], "float32")
+    (got,) = fn(substitute_feeds(rec.trace, [(a0, a1)]))
+    np.testing.assert_array_equal(got.numpy(), prog(a1).numpy())
+    with pytest.raises(ValueError, match="not a feed"):
+        substitute_feeds(rec.trace, [(a1, a0)])

@@ -68,10 +68,12 @@ def build_graph(events, channels, delays, auto_control_deps, ordered=True):
                 xs[k] = order.feed(feed) if ordered else feed.dequeue_op()
             elif ev == "fetch_a":
                 value = slow(2.0 * xs[k] + float(k), delays.get((ev, k), 0.0))
-                emitted.append(order.fetch(fetch_a, value) if ordered else fetch_a.enqueue_op(value))
+                emitted.append(
+                    order.fetch(fetch_a, value) if ordered else fetch_a.enqueue_op(value))
             else:
                 value = slow(seed * 0.0 + 3.0 * k, delays.get((ev, k), 0.0))
-                emitted.append(order.fetch(fetch_c, value) if ordered else fetch_c.enqueue_op(value))
+                emitted.append(
+                    order.fetch(fetch_c, value) if ordered else fetch_c.enqueue_op(value))
         keep = emitted + order.all_ops
         with tf.control_dependencies(keep):
             return tf.add_n([xs[k] for k in sorted(xs)])

@@ -10,10 +10,11 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from terra.runtime.channels import FeedChannel, FetchChannel  # noqa: E402
+from terra.runtime.channels import (FeedChannel, FeedFetchOrder, FetchChannel,  # noqa: E402
+                                    wait_until)
 from terra.runtime.errors import TerraRuntimeError, TerraTimeoutError  # noqa: E402
-from terra.runtime.graph_runner import (GraphRunner, op_index_of, op_node_name,  # noqa: E402
-                                        timing, with_error_context)
+from terra.runtime.graph_runner import (FetchResolver, GraphRunner, op_index_of,  # noqa: E402
+                                        op_node_name, timing, with_error_context)
 
 
 def fake_source_map(index):
@@ -188,7 +189,8 @@ def test_cancel_drops_pending_runs_and_leftover_feeds_can_be_drained():
     r = GraphRunner()
     r1, r2 = r.start(f), r.start(f)
     feed.put(1.0)  # r1 takes it and waits for a second value
-    time.sleep(0.1)
+    wait_until(lambda: feed.size() == 0, "r1's first dequeue", 10)
+    time.sleep(0.02)
     assert r.cancel(5) == [r1, r2]
     assert r2.state == "cancelled" and isinstance(r2.error, tf.errors.CancelledError)
     assert feed.drain() == 0
@@ -245,7 +247,7 @@ def test_keyboard_interrupt_while_fetching_cancels_the_graph():
 
     r = GraphRunner()
     run = r.start(f)
-    timer = threading.Timer(0.2, _thread.interrupt_main)  # Ctrl-C while Python waits
+    timer = threading.Timer(0.3, _thread.interrupt_main)  # Ctrl-C while Python waits
     timer.start()
     t0 = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
@@ -267,7 +269,7 @@ def test_keyboard_interrupt_while_waiting_for_result_cancels_the_graph():
 
     r = GraphRunner()
     run = r.start(f)
-    threading.Timer(0.2, _thread.interrupt_main).start()
+    threading.Timer(0.3, _thread.interrupt_main).start()
     with pytest.raises(KeyboardInterrupt):
         r.result(timeout=30)
     assert run.state == "cancelled"
@@ -284,8 +286,15 @@ def test_timing_counters():
         y = feed.dequeue_op()
         return y
 
-    f.get_concrete_function()
     r = GraphRunner()
+    feed.put(0.0)
+    feed.put(0.0)
+    r.start(f)                # warm-up run: function instantiation is not a stall
+    r.fetch(fetch, 10)
+    r.result(10)
+    r.exec_seconds = 0.0
+    feed.reset_stats()
+    fetch.reset_stats()
     r.start(f)
     time.sleep(0.2)           # graph stalls on the first feed
     feed.put(1.0)
@@ -295,6 +304,114 @@ def test_timing_counters():
     r.result(10)
     t = timing(r, feeds=[feed], fetches=[fetch])
     assert t.graph_exec_s >= 0.28
-    assert 0.25 <= t.graph_stall_s <= t.graph_exec_s + 0.01
+    assert 0.25 <= t.graph_stall_s <= t.graph_exec_s + 0.01, t
     assert 0.0 <= t.python_stall_s < 0.2
     assert t == timing(r, [feed], [fetch])
+
+
+def test_fetch_fails_at_once_when_no_run_can_fill_the_channel():
+    fetch = FetchChannel(tf.float32, [], name="orphan")
+    r = GraphRunner()
+    with pytest.raises(TerraRuntimeError, match="orphan"):
+        r.fetch(fetch, timeout=20)
+
+    @tf.function(autograph=False)
+    def f():
+        return tf.constant(1.0)  # finishes without filling the channel
+
+    r.start(f)
+    r.result(10)
+    t0 = time.perf_counter()
+    with pytest.raises(TerraRuntimeError, match="no graph run is active"):
+        r.fetch(fetch, timeout=20)
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_failing_error_context_hook_keeps_the_graph_error():
+    def broken(index):
+        raise KeyError(index)
+
+    r = GraphRunner(error_context=broken)
+    r.start(_nan_check_fn(), (tf.constant([np.nan]),))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"error_context\(7\) failed"):
+        r.result(10)
+
+
+def test_cancelling_the_runner_does_not_touch_function_calls_of_the_user_thread():
+    """TF's own cancellable-call route sets a module-global context that a concurrent main-thread
+    call would join; the runner passes its manager explicitly, so only its run is cancelled."""
+    feed_a = FeedChannel(tf.float32, [], name="iso_a", timed=False)
+    feed_b = FeedChannel(tf.float32, [], name="iso_b", timed=False)
+
+    @tf.function(autograph=False)
+    def background():
+        return feed_a.dequeue_op()
+
+    @tf.function(autograph=False)
+    def user_side():
+        return feed_b.dequeue_op() * 2.0
+
+    user_side.get_concrete_function()
+    r = GraphRunner()
+    run = r.start(background)
+    threading.Timer(0.1, r.cancel).start()            # cancels while the user call is blocked
+    threading.Timer(0.4, feed_b.put, args=(5.0,)).start()
+    assert float(user_side()) == 10.0                  # not cancelled
+    assert wait_until(lambda: run.done, "runner cancel", 10) >= 0.0
+    assert run.state == "cancelled"
+
+
+def test_placeholders_resolve_from_a_running_graph():
+    """A skeleton step: the graph computes, Python holds placeholders and syncs where it must."""
+    from terra.runtime.placeholders import Placeholder
+
+    x_feed = FeedChannel(tf.float32, [2], name="e2e_x")
+    loss_fetch = FetchChannel(tf.float32, [], name="e2e_loss")
+    w = tf.Variable([0.5, -1.0])
+
+    @tf.function(autograph=False)
+    def step():
+        order = FeedFetchOrder()
+        x = order.feed(x_feed)
+        loss = tf.reduce_sum(x * w)
+        order.fetch(loss_fetch, loss)
+        w.assign_sub(0.1 * x)
+        return loss
+
+    r = GraphRunner()
+    losses = []
+    for i in range(3):
+        x_feed.put([1.0 + i, 2.0])
+        r.start(step)
+        loss = Placeholder.create(tf.float32, [], FetchResolver(r, loss_fetch, timeout=10))
+        losses.append(loss)                       # kept across iterations
+        if loss > -100.0:                         # sync point: one fetch
+            scaled = loss * 2.0                   # op on a placeholder gets the real value
+        assert float(scaled) == 2.0 * float(loss)
+        r.result(10)
+    # eager reference
+    wr, ref = tf.Variable([0.5, -1.0]), []
+    for i in range(3):
+        x = tf.constant([1.0 + i, 2.0])
+        ref.append(float(tf.reduce_sum(x * wr)))
+        wr.assign_sub(0.1 * x)
+    assert [float(v) for v in losses] == ref
+    np.testing.assert_array_equal(w.numpy(), wr.numpy())
+
+
+@pytest.mark.slow
+def test_interpreter_exits_cleanly_with_a_blocked_run():
+    import subprocess
+    import sys
+    code = (
+        "import tensorflow as tf, time\n"
+        "from terra.runtime import FeedChannel, GraphRunner\n"
+        "feed = FeedChannel(tf.float32, [], name='exit_feed')\n"
+        "f = tf.function(lambda: feed.dequeue_op(), autograph=False)\n"
+        "run = GraphRunner().start(f)\n"
+        "time.sleep(0.3)\n"
+        "print('state', run.state)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "state running" in out.stdout

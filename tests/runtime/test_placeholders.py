@@ -126,6 +126,13 @@ def _tf_function_nested(mk):
     return _tf_fn_nested({"a": mk(M), "b": mk(M)}, scale=mk(2.0))
 
 
+def _tape_gradient(mk):
+    v = tf.Variable(M)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(v * mk(M) * mk(M))
+    return tape.gradient(loss, v)
+
+
 def _print(mk, capsys=None):
     print(mk(M), mk(3.0))
 
@@ -199,6 +206,20 @@ SNIPPETS = {
                              keras.ops.concatenate([mk(M), mk(M)]), keras.ops.relu(mk(M))],
     "keras_loss": _keras_loss,
     "keras_sparse_ce": _keras_sparse_ce_from_softmax,
+    "tf_constant": lambda mk: [tf.constant(mk(M)), tf.constant(mk(M), dtype=tf.float32)],
+    "like_ops": lambda mk: [tf.ones_like(mk(M)), tf.zeros_like(mk(M)), tf.stop_gradient(mk(M))],
+    "stateless_random_shape": lambda mk: tf.random.stateless_normal(tf.shape(mk(M)), seed=[1, 2]),
+    "dataset": lambda mk: list(tf.data.Dataset.from_tensors(mk(M)))[0],
+    "py_function": lambda mk: tf.py_function(lambda a: a * 2.0, [mk(M)], tf.float32),
+    "gather_scatter": lambda mk: [tf.gather(mk(M), mk([1, 0])),
+                                  tf.tensor_scatter_nd_update(mk(M), [[0, 0]], mk([9.0]))],
+    "boolean_mask": lambda mk: tf.boolean_mask(mk(M), mk(M) > 0.0),
+    "einsum_transpose": lambda mk: [tf.einsum("ij,jk->ik", mk(M), mk(M)), tf.transpose(mk(M))],
+    "nn_ops": lambda mk: [tf.math.log(mk(M) * mk(M)), tf.nn.relu(mk(M)), tf.nn.softmax(mk(M)),
+                          tf.math.argmax(mk(M))],
+    "tensor_array": lambda mk: tf.TensorArray(tf.float32, size=2).write(0, mk(M)).read(0),
+    "variable_init": lambda mk: tf.Variable(mk(M)).numpy(),
+    "tape_gradient_wrt_variable": _tape_gradient,
     "tf_function": _tf_function_call,
     "tf_function_nested_kwargs": _tf_function_nested,
 }
@@ -262,6 +283,7 @@ def test_static_metadata_needs_no_fetch():
     assert x.op.type == "TerraPlaceholder" and x.op.inputs == ()
     assert isinstance(x, tf.Tensor) and tf.is_tensor(x)
     assert isinstance(x._id, int)
+    assert not hasattr(x, "graph") and not hasattr(tf.constant(1.0), "graph")  # as eager
     assert r.calls == 0
 
 

@@ -175,3 +175,15 @@ def test_idle_hook_keeps_results():
         assert np.asarray(tf.constant([1, 2])).tolist() == [1, 2]
     finally:
         hook.uninstall()
+
+
+def test_an_exception_inside_recording_leaves_tf_clean():
+    import sys
+    before = _attr_identities()
+    with pytest.raises(ZeroDivisionError):
+        with Recorder():
+            tf.add(tf.constant(1.0), 1.0)
+            1 / 0
+    assert not hook.installed() and hook.active() is None and sys.gettrace() is None
+    assert all(_attr_identities()[k] is v for k, v in before.items())
+    assert tfp.execute_module.execute is tfp.execute_module.quick_execute

@@ -1,0 +1,726 @@
+"""Lowering (§3.2.2, Figures 3.4, 3.5, 3.7): a TraceGraph -> one TF graph (a concrete function).
+
+    lowered = lower(graph, traces)        # traces: the graph's traces, trace id = position
+    runner.start(lowered.function)        # no arguments: every input arrives through a channel
+
+Construct by construct (docs/lowering.md has the details and an example):
+- op node: the recorded op rebuilt with replay's op emission (`_apply_op_helper`), named
+  `terra_op_<node id>` so runtime errors map back to the node;
+- switch-case (Algorithm 1) with several cases, or a single case that a finished path skips:
+  one `tf.switch_case` whose index is a Case-Select feed; an extra empty default branch when some
+  path may already have reached `end` (`path_choices` gives it `len(cases)`). A single case every
+  path takes is emitted inline. Values produced in a branch and read later (plain values, phi
+  slots, loop-carried values) are the switch-case's outputs; a branch that does not produce one
+  passes the incoming value through, or a zero dummy of the right dtype (shapes are relaxed by
+  `switch_case` where branches differ);
+- loop node: a `tf.while_loop` whose cond dequeues a Loop-Cond feed per iteration; unrolled (no
+  Loop-Cond) when every recorded visit had the same trip count. `Prev`/`Carried` sources and the
+  loop's outputs are loop variables: the value of the last iteration that ran the producer
+  (`Carried` starts with its `init`);
+- phi: a slot updated by each of its producers as they run, read by the consumer (so it holds the
+  producer that ran last, which is the phi's rule);
+- feeds: each `FeedRef` / `IterFeed` input dequeues from the FeedChannel of its feed point
+  (node, input position), unless the same feed was already dequeued in a scope that dominates it;
+  `Lowered.feed_points[node]` lists what Python puts for one visit of the node, in order;
+- fetches: every `FetchPoint` output enqueues into the FetchChannel of (node, output index) each
+  time the node runs (Python consumes one element per visit, discarding those it does not read);
+- ordering (Figure 3.4): within each (function) graph every dequeue has control dependencies on
+  the previous dequeue and on every enqueue since; a switch_case / while op is one step of that
+  chain (its select / first cond waits for what came before; what comes after waits for it), and
+  every branch / loop body ends in a token that depends on all its stateful ops. Emission follows
+  program order, so an Output-Fetching op always runs before any Input-Feeding op that Python can
+  only supply after reading it. Variable reads and writes are ordered by the automatic control
+  dependencies of `tf.function(autograph=False)`, which see through branches and loop bodies
+  (their resource inputs).
+
+The function returns nothing: everything Python reads goes through `fetches`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+import tensorflow as tf
+
+from terra import _tf_private as tfp
+from terra.compiler import replay as _replay
+from terra.compiler.case_assignment import assign_cases
+from terra.compiler.merge import _shape as _merge_shape  # what `covers` compares
+from terra.compiler.merge import merge
+from terra.ir.records import ConstRef, FeedRef, TensorSpec, Trace, VariableRef
+from terra.ir.trace_graph import LOOP, Carried, IterFeed, NodeOut, Phi, Prev, TraceGraph
+from terra.runtime.channels import FeedChannel, FetchChannel
+
+__all__ = ["lower", "Lowered", "FeedPoint", "LevelPlan", "TOP", "op_name"]
+
+TOP = "top"  # level id of the top level; a loop body's level id is its loop node's id
+_OUT, _PHI, _VAR, _VARIN, _FEED, _ITERFEED = "out", "phi", "var", "varin", "feed", "iterfeed"
+
+
+def op_name(node_id: int) -> str:
+    """Graph node name of a TraceGraph node's op (same scheme as the runtime's `op_node_name`)."""
+    return f"terra_op_{node_id}"
+
+
+# ---------------------------------------------------------------------------------- public data
+@dataclass(frozen=True, slots=True)
+class FeedPoint:
+    """One Input-Feeding op: node `node` input `position` ((arg,) or (arg, item); for a loop
+    node, ("init", body node, position) of a `Carried` init) reads `source` (FeedRef / IterFeed)."""
+    node: int
+    position: tuple
+    source: object
+
+    def __repr__(self) -> str:
+        return f"feed(n{self.node}{list(self.position)} <- {self.source!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class LevelPlan:
+    """How one level (top, or a loop body) was lowered: its switch-cases (Algorithm 1), for each
+    whether it became a `switch_case` op (`has_op`) and whether that op has the extra default
+    branch, and the switch-case index of each node."""
+    level: object
+    switch_cases: tuple
+    has_op: tuple
+    default: tuple
+    switch_case_of: dict
+
+
+@dataclass
+class Lowered:
+    """The generated graph and the channels the Python side drives.
+
+    function      ConcreteFunction of no arguments that returns nothing.
+    feeds         (node, position) -> FeedChannel (Input-Feeding).
+    feed_points   node -> tuple of FeedPoint: what one visit of the node dequeues, in order.
+    case_selects  (level, switch-case index) -> FeedChannel(int32) (Case-Select).
+    loop_conds    loop node -> FeedChannel(bool) (Loop-Cond; one element per cond evaluation:
+                  True per iteration, then False).
+    unrolled      loop node -> trip count, for loops emitted unrolled (no Loop-Cond).
+    fetches       (node, output index) -> FetchChannel (Output-Fetching; one element per visit).
+    levels        level id -> LevelPlan.
+    """
+    graph: TraceGraph
+    function: object
+    feeds: dict
+    feed_points: dict
+    case_selects: dict
+    loop_conds: dict
+    unrolled: dict
+    fetches: dict
+    levels: dict
+    build_seconds: float
+    stats: dict = field(default_factory=dict)
+
+    def channels(self) -> list:
+        return (list(self.feeds.values()) + list(self.case_selects.values())
+                + list(self.loop_conds.values()) + list(self.fetches.values()))
+
+    def feed_channels(self) -> list:
+        return (list(self.feeds.values()) + list(self.case_selects.values())
+                + list(self.loop_conds.values()))
+
+    def match(self, trace: Trace):
+        """The TraceGraph with `trace` merged in (trace id `graph.num_traces`, which maps every
+        record to its node) if this graph can run `trace`'s iteration, else None: the merge must
+        add nothing (`merge.covers`) and every unrolled loop must run its fixed trip count."""
+        merged = merge(self.graph, trace)
+        if _merge_shape(merged) != _merge_shape(self.graph):
+            return None
+        tid = self.graph.num_traces
+        for lid, trips in self.unrolled.items():
+            node = _find(merged, lid)
+            if any(c != trips for c in node.loop.trip_counts.get(tid, ())):
+                return None
+        return merged
+
+    def covers(self, trace: Trace) -> bool:
+        return self.match(trace) is not None
+
+    def drain(self) -> int:
+        """Empty every channel (after a finished or cancelled run); returns how many elements."""
+        return sum(ch.drain() for ch in self.channels())
+
+    def describe(self) -> str:
+        s = self.stats
+        lines = [f"Lowered graph of {self.graph!r}: {s['tf_ops']} TF ops "
+                 f"({s['switch_case_ops']} switch_case, {s['while_ops']} while), "
+                 f"{len(self.feeds)} feeds, {len(self.fetches)} fetches, "
+                 f"{len(self.case_selects)} case selects, {len(self.loop_conds)} loop conds, "
+                 f"built in {self.build_seconds:.2f} s"]
+        for lid, lp in self.levels.items():
+            where = "top" if lid == TOP else f"body of n{lid}"
+            for k, sc in enumerate(lp.switch_cases):
+                how = ("switch_case" + (" + default" if lp.default[k] else "")) if lp.has_op[k] \
+                    else "inline"
+                lines.append(f"  {where} s{k + 1}: {how}: {sc!r}")
+        for lid, t in sorted(self.unrolled.items()):
+            lines.append(f"  loop n{lid}: unrolled x{t}")
+        for lid in sorted(self.loop_conds):
+            lines.append(f"  loop n{lid}: while_loop (Loop-Cond)")
+        for node, pts in sorted(self.feed_points.items()):
+            lines.append(f"  n{node} feeds: " + ", ".join(map(repr, pts)))
+        for (node, i) in sorted(self.fetches):
+            lines.append(f"  n{node}:{i} fetched")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- graph analysis
+def _find(g: TraceGraph, nid: int):
+    if nid in g.nodes:
+        return g.nodes[nid]
+    for n in g.nodes.values():
+        if n.kind == LOOP:
+            found = _find(n.loop.body, nid)
+            if found is not None:
+                return found
+    return None
+
+
+def _flat(inputs):
+    """(position, source) for every input slot: positions (arg,) or (arg, item)."""
+    for a, arg in enumerate(inputs):
+        if isinstance(arg, tuple):
+            for k, s in enumerate(arg):
+                yield (a, k), s
+        else:
+            yield (a,), arg
+
+
+def _relax(specs):
+    """dtype and most specific common shape (tuple with None dims / None) of TensorSpecs."""
+    specs = [s for s in specs if s is not None]
+    if not specs:
+        return None, None
+    dtype, shape = specs[0].dtype, specs[0].shape
+    for s in specs[1:]:
+        if s.dtype != dtype:
+            raise ValueError(f"lower: one value has dtypes {dtype} and {s.dtype} on different "
+                             f"traces")
+        if shape is None or s.shape is None or len(shape) != len(s.shape):
+            shape = None
+        else:
+            shape = tuple(a if a == b else None for a, b in zip(shape, s.shape))
+    return dtype, shape
+
+
+class _Analysis:
+    """Static facts about the whole graph: node index, levels, specs, reads and writes."""
+
+    def __init__(self, graph: TraceGraph, traces):
+        self.graph, self.traces = graph, traces
+        self.node, self.level_of, self.levels = {}, {}, {}
+        self._index(TOP, graph)
+        self.plans = {lid: self._plan(lid, g) for lid, g in self.levels.items()}
+        self.vars = {lid: self._vars(lid) for lid in self.levels if lid != TOP}
+        self.phi_keys, self.var_keys = {}, {}
+        for lid, g in self.levels.items():
+            for n in g.op_nodes:
+                for pos, phi in n.phis:
+                    for o in phi.options:
+                        self.phi_keys.setdefault((o.source.node, o.source.index), []).append(
+                            (_PHI, n.id, pos))
+        for lid, vs in self.vars.items():
+            for v in vs:
+                self.var_keys.setdefault((v[0], v[1]), []).append((_VAR, v))
+
+    def _index(self, lid, g):
+        self.levels[lid] = g
+        for n in g.op_nodes:
+            self.node[n.id], self.level_of[n.id] = n, lid
+            if n.kind == LOOP:
+                self._index(n.id, n.loop.body)
+
+    def _plan(self, lid, g) -> LevelPlan:
+        scs = assign_cases(g)
+        of, ended, has_op, default = {}, (g.start, g.end) in g.edges, [], []
+        for k, sc in enumerate(scs):
+            nonempty = any(c.block for c in sc.cases)
+            has_op.append(nonempty and (len(sc.cases) > 1 or ended))
+            default.append(has_op[-1] and ended)
+            for c in sc.cases:
+                for n in c.block:
+                    of[n] = k
+                    ended = ended or g.end in g.successors(n)
+        return LevelPlan(lid, scs, tuple(has_op), tuple(default), of)
+
+    def _vars(self, lid) -> list:
+        """Loop variables of body level `lid`: (node, index, init or None) for every Prev /
+        Carried of a node of this level (anywhere below it) and every loop output."""
+        out = []
+
+        def add(v):
+            if v not in out:
+                out.append(v)
+
+        def scan(g):
+            for n in g.op_nodes:
+                for _, s in _flat(n.inputs):
+                    if isinstance(s, Carried) and self.level_of.get(s.update.node) == lid:
+                        add((s.update.node, s.update.index, s.init))
+                    elif isinstance(s, Prev) and self.level_of.get(s.node) == lid:
+                        add((s.node, s.index, None))
+                if n.kind == LOOP:
+                    scan(n.loop.body)
+        scan(self.levels[lid])
+        for o in self.node[lid].loop.outputs:
+            if not any(v[0] == o.node and v[1] == o.index for v in out):
+                add((o.node, o.index, None))
+        return out
+
+    # ---- specs
+    def records_of(self, n):
+        """(trace, record) for every recorded visit of op node `n`."""
+        for tid, idxs in n.seen.items():
+            if tid < len(self.traces):
+                for r in idxs:
+                    yield self.traces[tid], self.traces[tid].records[r]
+
+    def out_spec(self, nid, i):
+        n = self.node[nid]
+        if n.kind == LOOP:
+            o = n.loop.outputs[i]
+            return self.out_spec(o.node, o.index)
+        specs = [rec.outputs[i] for _, rec in self.records_of(n)] or [n.op.outputs[i]]
+        return _relax(specs)
+
+    def feed_spec(self, nid, pos):
+        specs = []
+        for tr, rec in self.records_of(self.node[nid]):
+            ref = rec.inputs[pos[0]] if len(pos) == 1 else rec.inputs[pos[0]][pos[1]]
+            if isinstance(ref, FeedRef):
+                specs.append(tr.feeds[ref.slot].spec)
+        return _relax(specs)
+
+    def slot_feed_spec(self, slot, nid):
+        specs = [self.traces[t].feeds[slot].spec for t in self.node[nid].seen
+                 if t < len(self.traces) and slot < len(self.traces[t].feeds)]
+        return _relax(specs)
+
+    def key_spec(self, key):
+        kind = key[0]
+        if kind == _OUT:
+            return self.out_spec(key[1], key[2])
+        if kind == _PHI:
+            pos, node = key[2], self.node[key[1]]
+            phi = dict(node.phis)[pos]
+            return _relax([TensorSpec(*self.out_spec(o.source.node, o.source.index))
+                           for o in phi.options])
+        if kind == _VAR:
+            return self.out_spec(key[1][0], key[1][1])
+        raise KeyError(key)
+
+    # ---- reads / writes
+    def reads(self, n) -> set:
+        out = set()
+
+        def src(node, pos, s):
+            if isinstance(s, NodeOut):
+                out.add((_OUT, s.node, s.index))
+            elif isinstance(s, Phi):
+                out.add((_PHI, node.id, pos))
+            elif isinstance(s, Carried):
+                src(node, pos, s.init)
+
+        def scan(node):
+            for pos, s in _flat(node.inputs):
+                src(node, pos, s)
+            if node.kind == LOOP:
+                for m in node.loop.body.op_nodes:
+                    scan(m)
+        scan(n)
+        return out
+
+    def n_outputs(self, n) -> int:
+        return len(n.loop.outputs) if n.kind == LOOP else len(n.op.outputs)
+
+    def writes(self, n) -> list:
+        out = []
+        for i in range(self.n_outputs(n)):
+            out.append(((_OUT, n.id, i), i))
+            out += [(k, i) for k in self.phi_keys.get((n.id, i), ())]
+            out += [(k, i) for k in self.var_keys.get((n.id, i), ())]
+        return out
+
+
+# ------------------------------------------------------------------------------ emission helpers
+class _Chain:
+    """Figure 3.4 ordering within one graph: last dequeue and enqueues since."""
+    __slots__ = ("last_feed", "pending")
+
+    def __init__(self, start=()):
+        self.last_feed, self.pending = None, list(start)
+
+    def control(self):
+        return self.pending + ([self.last_feed] if self.last_feed is not None else [])
+
+    def fed(self, op):
+        self.last_feed, self.pending = op, []
+
+    def fetched(self, op):
+        self.pending.append(op)
+
+    def after(self, op):
+        self.last_feed, self.pending = op, [op]
+
+
+class _Scope:
+    """Values visible at a point of emission; `chain` is shared by scopes of the same graph."""
+    __slots__ = ("parent", "env", "chain")
+
+    def __init__(self, parent=None, new_graph=True):
+        self.parent, self.env = parent, {}
+        self.chain = _Chain() if new_graph or parent is None else parent.chain
+
+    def get(self, key, default=None):
+        s = self
+        while s is not None:
+            if key in s.env:
+                return s.env[key]
+            s = s.parent
+        return default
+
+
+def _dummy(dtype, shape):
+    if dtype in ("variant", "resource"):
+        raise ValueError(f"lower: cannot make a placeholder value of dtype {dtype} for a "
+                         f"branch that does not produce it")
+    dims = [] if shape is None else [0 if d is None else d for d in shape]
+    if dtype == "string":
+        return tf.fill(dims, "")
+    return tf.zeros(dims, dtype)
+
+
+def _stateful(op) -> bool:
+    try:
+        return op.op_def.is_stateful
+    except Exception:  # function-call ops without a registered op def
+        return True
+
+
+def _token(chain: _Chain):
+    """A scalar that depends on every stateful op of the current graph and on the chain."""
+    g = tf.compat.v1.get_default_graph()
+    deps = [op for op in g.get_operations() if _stateful(op)] + chain.control()
+    with tf.control_dependencies(deps):
+        return tf.zeros([], tf.int32)
+
+
+class _Builder(_replay._Builder):
+    """Replay's op emission; inputs are resolved by the lowering beforehand (`_Ready`)."""
+
+    def __init__(self, variables, functions):
+        self.trace = Trace("lowered", variables=variables, functions=functions)
+        self.feeds, self.env = (), {}
+        self.consts, self._consts = {}, {}  # graph id -> (graph, {ConstRef: tensor})
+
+    def value(self, ref, dtype=None):
+        if isinstance(ref, _Ready):
+            return ref.tensor
+        if isinstance(ref, ConstRef):  # replay caches constants; keep one cache per graph
+            g = tf.compat.v1.get_default_graph()
+            entry = self._consts.get(id(g))
+            if entry is None or entry[0] is not g:  # (the graph is kept, so ids stay unique)
+                entry = self._consts[id(g)] = (g, {})
+            self.consts = entry[1]
+        return super().value(ref, dtype)
+
+    def variable(self, ref: VariableRef, dtype):
+        # The recorder keeps a bare resource handle when it cannot find the owning variable;
+        # replay would then read it with dtype `resource`: read it with the dtype the op expects.
+        var = self.trace.variables[ref.key]
+        if not isinstance(var, tfp.BaseResourceVariable) and dtype not in (None, "resource"):
+            return tfp.read_variable_op(var, dtype)
+        return super().variable(ref, dtype)
+
+
+class _Ready:
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def _input_dtypes(rec) -> dict:
+    """position -> dtype name the op expects at that input (None: take the value's own)."""
+    op_def = tfp.get_op_def(rec.op_type) if rec.route != "function" else None
+    if op_def is None:
+        return {}
+    attrs, out = dict(rec.attrs), {}
+    for a, arg in enumerate(op_def.input_arg):
+        if arg.type_list_attr:
+            for k, d in enumerate(attrs.get(arg.type_list_attr, ())):
+                out[(a, k)] = d
+            continue
+        d = attrs.get(arg.type_attr) if arg.type_attr else tf.as_dtype(arg.type).name
+        if arg.number_attr:
+            for k in range(attrs.get(arg.number_attr, 0)):
+                out[(a, k)] = d
+        else:
+            out[(a,)] = d
+    return out
+
+
+# --------------------------------------------------------------------------------- the lowering
+class _Lowering:
+    def __init__(self, an: _Analysis, unroll: bool, timed: bool):
+        self.an, self.unroll, self.timed = an, unroll, timed
+        variables, functions = {}, {}
+        for t in an.traces:
+            variables.update(t.variables)
+            functions.update(t.functions)
+        self.builder = _Builder(variables, functions)
+        self.feeds, self.feed_points, self.case_selects = {}, {}, {}
+        self.loop_conds, self.unrolled, self.fetches = {}, {}, {}
+        self._emitted_points = {}
+
+    # ---- channels (created eagerly, lifted out of the function being traced)
+    def _channel(self, table, key, make):
+        ch = table.get(key)
+        if ch is None:
+            with tf.init_scope():
+                ch = table[key] = make()
+        return ch
+
+    def _dequeue(self, scope, ch):
+        value = ch.dequeue_op(control_inputs=scope.chain.control())
+        scope.chain.fed(value.op)
+        return value
+
+    # ---- levels
+    def level(self, lid, scope):
+        """Emit level `lid` (its switch-cases in order) into `scope`."""
+        an, plan = self.an, self.an.plans[lid]
+        reads_after = [set() for _ in plan.switch_cases]
+        later = set((_VAR, v) for v in an.vars.get(lid, ()))  # a body's end reads its variables
+        for k in range(len(plan.switch_cases) - 1, -1, -1):
+            reads_after[k] = set(later)
+            for c in plan.switch_cases[k].cases:
+                for n in c.block:
+                    later |= an.reads(an.node[n])
+        for k, sc in enumerate(plan.switch_cases):
+            if not plan.has_op[k]:
+                for c in sc.cases:
+                    for n in c.block:
+                        self.node(an.node[n], scope)
+                continue
+            self.switch_case(lid, k, sc, plan.default[k], reads_after[k], scope)
+
+    def switch_case(self, lid, k, sc, default, needed, scope):
+        an = self.an
+        written = set()
+        for c in sc.cases:
+            for n in c.block:
+                written |= {key for key, _ in an.writes(an.node[n])}
+        keys = sorted(written & needed, key=repr)
+        ch = self._channel(self.case_selects, (lid, k), lambda: FeedChannel(
+            tf.int32, [], name=f"case_select_{lid}_{k}", timed=self.timed))
+        select = self._dequeue(scope, ch)
+
+        def branch(block):
+            def fn():
+                inner = _Scope(scope, new_graph=True)
+                for n in block:
+                    self.node(an.node[n], inner)
+                outs = [inner.get(key) for key in keys]
+                outs = [o if o is not None else _dummy(*an.key_spec(key))
+                        for o, key in zip(outs, keys)]
+                return [_token(inner.chain)] + outs
+            return fn
+        fns = [branch(c.block) for c in sc.cases] + ([branch(())] if default else [])
+        res = tf.switch_case(select, fns, name=f"terra_switch_{lid}_{k}")
+        res = list(res) if isinstance(res, (list, tuple)) else [res]
+        for key, t in zip(keys, res[1:]):
+            scope.env[key] = t
+        scope.chain.after(res[0].op)
+
+    # ---- nodes
+    def node(self, n, scope):
+        if n.kind == LOOP:
+            outs = self.loop(n, scope)
+        else:
+            outs = self.op(n, scope)
+        for key, i in self.an.writes(n):
+            scope.env[key] = outs[i]
+        for i in sorted({f.index for f in n.fetches}):
+            dtype, shape = self.an.out_spec(n.id, i)
+            ch = self._channel(self.fetches, (n.id, i), lambda: FetchChannel(
+                dtype, shape, name=f"fetch_{n.id}_{i}"))
+            scope.chain.fetched(ch.enqueue_op(outs[i]))
+
+    def _record_points(self, nid, points):
+        prev = self._emitted_points.get(nid)
+        if prev is not None and prev != points:
+            raise AssertionError(f"lower: n{nid} dequeues {points} here but {prev} elsewhere")
+        self._emitted_points[nid] = points
+        if points:
+            self.feed_points[nid] = tuple(points)
+
+    def feed(self, nid, pos, src, scope, points, key, spec):
+        t = scope.get(key)
+        if t is not None:
+            return t
+        dtype, shape = spec
+        ch = self._channel(self.feeds, (nid, pos), lambda: FeedChannel(
+            dtype, shape, name=f"feed_{nid}_{'_'.join(map(str, pos))}", timed=self.timed))
+        t = self._dequeue(scope, ch)
+        points.append(FeedPoint(nid, pos, src))
+        scope.env[key] = t
+        return t
+
+    def source(self, n, pos, s, scope, points):
+        an = self.an
+        if isinstance(s, NodeOut):
+            t = scope.get((_OUT, s.node, s.index))
+            return _Ready(t if t is not None else _dummy(*an.out_spec(s.node, s.index)))
+        if isinstance(s, Phi):
+            t = scope.get((_PHI, n.id, pos))
+            return _Ready(t if t is not None else _dummy(*an.key_spec((_PHI, n.id, pos))))
+        if isinstance(s, Prev):
+            return _Ready(scope.get((_VARIN, (s.node, s.index, None))))
+        if isinstance(s, Carried):
+            return _Ready(scope.get((_VARIN, (s.update.node, s.update.index, s.init))))
+        if isinstance(s, FeedRef):
+            return _Ready(self.feed(n.id, pos, s, scope, points, (_FEED, s.slot),
+                                    an.feed_spec(n.id, pos)))
+        if isinstance(s, IterFeed):
+            return _Ready(self.feed(n.id, pos, s, scope, points,
+                                    (_ITERFEED, an.level_of[n.id], s.ordinal),
+                                    an.feed_spec(n.id, pos)))
+        if isinstance(s, (VariableRef, ConstRef)):
+            return s
+        raise TypeError(f"lower: n{n.id} has an input of unknown kind {s!r}")
+
+    def op(self, n, scope):
+        points, inputs = [], []
+        flat = {pos: self.source(n, pos, s, scope, points) for pos, s in _flat(n.inputs)}
+        for a, arg in enumerate(n.inputs):
+            inputs.append(tuple(flat[(a, k)] for k in range(len(arg))) if isinstance(arg, tuple)
+                          else flat[(a,)])
+        self._record_points(n.id, points)
+        rec = n.op.__class__(n.op.index, n.op.op_type, n.op.attrs, tuple(inputs), n.op.outputs,
+                             n.op.location, n.op.route, n.op.function)
+        with tf.name_scope(op_name(n.id)):
+            outs = self.builder.function(rec) if rec.route == "function" else self.builder.op(rec)
+        return list(outs or ())
+
+    # ---- loops
+    def loop(self, n, scope):
+        an, lid = self.an, n.id
+        vars_ = an.vars[lid]
+        points, init = [], []
+        for v in vars_:
+            m, i, src = v
+            if src is None:
+                init.append(_dummy(*an.out_spec(m, i)))
+                continue
+            consumer, pos = self._carried_consumer(lid, v)
+            if isinstance(src, FeedRef):
+                t = self.feed(lid, ("init", consumer, pos), src, scope, points, (_FEED, src.slot),
+                              an.slot_feed_spec(src.slot, lid))
+            elif isinstance(src, NodeOut):
+                t = scope.get((_OUT, src.node, src.index))
+                t = t if t is not None else _dummy(*an.out_spec(src.node, src.index))
+            else:
+                dtype = _input_dtypes(an.node[consumer].op).get(pos)
+                t = self.builder.value(src, dtype)
+            init.append(tf.convert_to_tensor(t))
+        self._record_points(lid, points)
+        with tf.control_dependencies(scope.chain.control()):
+            counter = tf.zeros([], tf.int32)
+        trips = n.loop.seen_trip_counts
+        if self.unroll and len(trips) == 1:
+            (t_count,) = trips
+            self.unrolled[lid] = t_count
+            vals = init
+            for _ in range(t_count):
+                vals = self.iteration(lid, vals, _Scope(scope, new_graph=False))
+            final = vals
+        else:
+            final = self.while_loop(lid, vars_, init, counter, scope)
+        return [final[self._var_index(vars_, o)] for o in n.loop.outputs]
+
+    @staticmethod
+    def _var_index(vars_, o):
+        return next(k for k, v in enumerate(vars_) if v[0] == o.node and v[1] == o.index)
+
+    def _carried_consumer(self, lid, v):
+        for m in _walk_nodes(self.an.levels[lid]):
+            for pos, s in _flat(m.inputs):
+                if isinstance(s, Carried) and (s.update.node, s.update.index, s.init) == v:
+                    return m.id, pos
+        raise AssertionError(f"no consumer of {v!r}")
+
+    def iteration(self, lid, vals, scope):
+        for v, t in zip(self.an.vars[lid], vals):
+            scope.env[(_VARIN, v)] = t
+            scope.env[(_VAR, v)] = t
+        self.level(lid, scope)
+        return [scope.get((_VAR, v)) for v in self.an.vars[lid]]
+
+    def while_loop(self, lid, vars_, init, counter, scope):
+        ch = self._channel(self.loop_conds, lid, lambda: FeedChannel(
+            tf.bool, [], name=f"loop_cond_{lid}", timed=self.timed))
+
+        def cond(c, *vals):
+            return ch.dequeue_op(control_inputs=[c.op])
+
+        def body(c, *vals):
+            inner = _Scope(scope, new_graph=True)
+            new = self.iteration(lid, list(vals), inner)
+            with tf.control_dependencies([_token(inner.chain)]):
+                return [c + 1] + new
+
+        invariants = [tf.TensorShape([])]
+        for v, t in zip(vars_, init):
+            dtype, shape = self.an.out_spec(v[0], v[1])
+            s = tf.TensorShape(None if shape is None else list(shape))
+            invariants.append(s.most_specific_compatible_shape(t.shape))
+        res = tf.while_loop(cond, body, [counter] + list(init), shape_invariants=invariants,
+                            parallel_iterations=1, name=f"terra_while_{lid}")
+        scope.chain.after(res[0].op)
+        return list(res[1:])
+
+
+def _walk_nodes(g):
+    for n in g.op_nodes:
+        yield n
+        if n.kind == LOOP:
+            yield from _walk_nodes(n.loop.body)
+
+
+def _count_ops(concrete) -> dict:
+    gd = concrete.graph.as_graph_def()
+    nodes = list(gd.node) + [nd for f in gd.library.function for nd in f.node_def]
+    kinds = [nd.op for nd in nodes]
+    return {"tf_ops": len(kinds),
+            "switch_case_ops": sum(k in ("Case", "StatelessCase") for k in kinds),
+            "while_ops": sum(k in ("While", "StatelessWhile") for k in kinds),
+            "functions": len(gd.library.function)}
+
+
+def lower(graph: TraceGraph, traces, *, unroll: bool = True, timed: bool = True) -> Lowered:
+    """Build the TF graph for `graph`. `traces[t]` must be the trace merged as trace id `t` (for
+    variables, called functions and feed shapes). `unroll`: unroll loops whose recorded trip
+    counts are all equal. `timed`: feed channels measure graph stall (see runtime.channels)."""
+    if not isinstance(graph, TraceGraph):
+        raise TypeError(f"lower expects a TraceGraph, got {type(graph).__name__}")
+    traces = list(traces)
+    if len(traces) != graph.num_traces or not all(isinstance(t, Trace) for t in traces):
+        raise ValueError(f"lower: need the {graph.num_traces} traces merged into the graph (in "
+                         f"merge order), got {len(traces)} objects")
+    if graph.num_traces == 0:
+        raise ValueError("lower: the TraceGraph has no traces")
+    t0 = time.perf_counter()
+    an = _Analysis(graph, traces)
+    lw = _Lowering(an, unroll, timed)
+
+    def build():
+        lw.level(TOP, _Scope())
+
+    concrete = tf.function(build, autograph=False).get_concrete_function()
+    stats = _count_ops(concrete)
+    stats.update(nodes=graph.size()["nodes"],
+                 switch_cases=sum(len(p.switch_cases) for p in an.plans.values()))
+    return Lowered(graph, concrete, lw.feeds, lw.feed_points, lw.case_selects, lw.loop_conds,
+                   lw.unrolled, lw.fetches, an.plans, time.perf_counter() - t0, stats)

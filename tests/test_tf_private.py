@@ -1,0 +1,68 @@
+"""Fails loudly, naming the API, when a TF upgrade moves a private name Terra relies on."""
+import inspect
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf
+
+from terra import _tf_private as tfp
+
+
+def test_tf_version_is_the_verified_one():
+    assert tf.__version__.startswith("2.21"), f"private APIs verified on TF 2.21, found {tf.__version__}"
+
+
+def test_dispatch_entry_points_exist_with_expected_signatures():
+    assert callable(getattr(tfp.pywrap_tfe_module, tfp.FAST_PATH_ATTR))
+    params = {name: list(inspect.signature(getattr(tfp.execute_module, name)).parameters)
+              for name in tfp.EXECUTE_ATTRS}
+    assert params["quick_execute"] == ["op_name", "num_outputs", "inputs", "attrs", "ctx", "name"]
+    assert params["execute"] == params["quick_execute"]
+    assert params["execute_with_cancellation"] == [
+        "op_name", "num_outputs", "inputs", "attrs", "ctx", "cancellation_manager", "name"]
+    assert issubclass(tfp.FallbackException, Exception)
+
+
+def test_gen_ops_look_up_the_fast_path_through_the_module():
+    from tensorflow.python.ops import gen_math_ops
+    src = inspect.getsource(gen_math_ops.add_v2)
+    assert "pywrap_tfe.TFE_Py_FastPathExecute(" in src
+    assert "_execute.execute(" in inspect.getsource(gen_math_ops.add_v2_eager_fallback)
+
+
+def test_function_call_path():
+    assert list(inspect.signature(tfp.AtomicFunction.call_flat).parameters) == ["self", "args"]
+    assert "call_function" in inspect.getsource(tfp.AtomicFunction.call_flat)
+    assert callable(tfp.context().call_function)
+    opts = tfp.context().function_call_options
+    assert isinstance(opts, tfp.FunctionCallOptions) and hasattr(opts, "config_proto_serialized")
+
+
+def test_value_points():
+    for name in ("numpy", "__array__", "__bool__", "__float__", "__int__", "__index__",
+                 "__format__", "__str__", "__complex__"):
+        assert name in tfp.EagerTensorBase.__dict__, name
+    assert issubclass(tfp.EagerTensor, tfp.EagerTensorBase)
+    assert list(inspect.signature(getattr(tfp.constant_op_module, tfp.CONVERT_ATTR)).parameters) == [
+        "value", "ctx", "dtype"]
+    assert list(inspect.signature(getattr(tfp.tensor_util_module, tfp.CONSTANT_VALUE_ATTR))
+                .parameters) == ["tensor", "partial"]
+    assert isinstance(tfp.BaseResourceVariable.__dict__["handle"], property)
+    v = tf.Variable(1.0)
+    assert "_handle" in v.__dict__ and v.__dict__["_handle"] is v.handle
+
+
+def test_replay_helpers():
+    assert tfp.get_op_def("AddV2") is not None and tfp.get_op_def("no_such_op") is None
+
+    @tf.function(autograph=False)
+    def f():
+        out = tfp.apply_op_helper("AddV2", x=tf.constant(1.0), y=tf.constant(2.0))
+        assert len(out) == 4 and out[2].type == "AddV2"
+        return out[3][0]
+    assert float(f()) == 3.0
+    v = tf.Variable(2.0)
+    assert float(tfp.read_variable_op(v.handle, tf.float32)) == 2.0
+    with tfp.function_call_config(tfp.disable_grappler):
+        assert float(tf.function(lambda: v * 2.0)()) == 4.0

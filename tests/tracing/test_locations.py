@@ -1,0 +1,168 @@
+"""Locations tell apart the cases Terra must not confuse (ARCHITECTURE §2)."""
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import tensorflow as tf
+
+from terra.ir.records import Location
+from terra.tracing import Recorder
+from terra.tracing.locations import Locator, find_loops
+
+X = tf.constant([1.0, 2.0])
+
+
+def _record(fn, *args):
+    with Recorder() as rec:
+        fn(*args)
+    return rec.trace
+
+
+def _locs(trace, op_type):
+    return [r.location for r in trace.records if r.op_type == op_type]
+
+
+def _iters(loc: Location):
+    return tuple(l.iteration for l in loc.loops)
+
+
+def test_two_calls_of_the_same_layer_differ():
+    layer = keras.layers.Dense(2)
+    layer(X[None])
+
+    def prog():
+        layer(X[None])
+        layer(X[None])
+    a, b = _locs(_record(prog), "MatMul")
+    diff = [i for i, (f, g) in enumerate(zip(a.frames, b.frames)) if f != g]
+    assert len(a.frames) == len(b.frames) and len(diff) == 1
+    assert "prog@" in a.frames[diff[0]]  # the user's call site, nothing else
+
+
+def test_same_op_in_two_branches_differs():
+    def prog(flag):
+        if flag:
+            return tf.add(X, 1.0)
+        else:
+            return tf.add(X, 1.0)
+    (a,) = _locs(_record(prog, True), "AddV2")
+    (b,) = _locs(_record(prog, False), "AddV2")
+    assert a != b and len(a.frames) == len(b.frames)
+    (a2,) = _locs(_record(prog, True), "AddV2")
+    assert a2 == a  # and stable across recordings
+
+
+def _recurse(x, n):
+    x = tf.add(x, 1.0)
+    return _recurse(x, n - 1) if n else x
+
+
+def test_recursion_depths_differ():
+    locs = _locs(_record(_recurse, X, 2), "AddV2")
+    assert len(set(locs)) == 3
+    assert [len(l.frames) for l in locs] == sorted(len(l.frames) for l in locs)
+
+
+def test_loop_iterations_counted_even_when_they_skip_ops():
+    def prog(n, skip):
+        for i in range(n):
+            if i in skip:
+                continue
+            tf.add(X, 1.0)
+
+    a = _locs(_record(prog, 4, {1, 2}), "AddV2")
+    b = _locs(_record(prog, 4, {0, 2}), "AddV2")
+    assert [_iters(l) for l in a] == [(0,), (3,)]
+    assert [_iters(l) for l in b] == [(1,), (3,)]
+    assert a[1] == b[1] and a[0] != b[0] and a[0].site == b[0].site
+
+
+def test_while_loops_one_line_loops_and_nesting():
+    def prog():
+        i = 0
+        while i < 3:
+            i += 1
+            if i == 2:
+                continue
+            tf.add(X, 1.0)
+        for j in range(2): tf.multiply(X, 2.0)  # noqa: E701
+        for a in range(2):
+            for b in range(3):
+                if b == 1:
+                    tf.subtract(X, 1.0)
+    t = _record(prog)
+    assert [_iters(l) for l in _locs(t, "AddV2")] == [(0,), (2,)]
+    assert [_iters(l) for l in _locs(t, "Mul")] == [(0,), (1,)]
+    assert [_iters(l) for l in _locs(t, "Sub")] == [(0, 1), (1, 1)]
+    assert len({l.loops[0].loop for l in _locs(t, "Sub")}) == 1
+
+
+def test_comprehensions_and_generators():
+    def gen(n):
+        for k in range(n):
+            if k != 1:
+                yield tf.add(X, float(k))
+
+    def prog():
+        [tf.multiply(X, 2.0) for _ in range(3)]
+        for _ in gen(3):
+            pass
+    t = _record(prog)
+    muls = _locs(t, "Mul")
+    assert [_iters(l) for l in muls] == [(0,), (1,), (2,)]
+    assert "listcomp" in muls[0].frames[-1] or any("listcomp" in f for f in muls[0].frames)
+    adds = _locs(t, "AddV2")
+    assert len(set(adds)) == 2
+    assert [l.loops[-1].iteration for l in adds] == [0, 2]  # the generator's own loop
+    assert any("gen" in f for f in adds[0].frames)
+
+
+def test_sequential_layers_in_a_library_loop_differ():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2), keras.layers.Dense(2)])
+    model(X[None])
+    a, b = _locs(_record(lambda: model(X[None])), "MatMul")
+    assert a.frames == b.frames and a != b  # told apart by Keras's loop over layers
+
+
+def test_the_loop_around_the_recording_is_not_part_of_locations():
+    traces = []
+    for step in range(3):
+        with Recorder() as rec:
+            tf.add(X, 1.0)
+        traces.append(rec.trace)
+    locs = [t.records[0].location for t in traces]
+    assert locs[0] == locs[1] == locs[2]
+    assert sys.gettrace() is None  # loop tracking is off again
+
+
+def test_find_loops_merges_continue_targets():
+    def f():
+        i = 0
+        while i < 3:
+            i += 1
+            if i == 2:
+                continue
+        return i
+    loops = find_loops(f.__code__)
+    assert len(loops) == 1 and len(loops[0][2]) == 2
+
+
+def test_locator_rejects_missing_root():
+    import pytest
+    with pytest.raises(ValueError):
+        Locator(None)
+
+
+def test_without_line_tracing_loops_are_counted_at_op_time():
+    def prog(n, skip):
+        for i in range(n):
+            if i in skip:
+                continue
+            tf.add(X, 1.0)
+    with Recorder(track_loops=False) as rec:
+        prog(4, {1, 2})
+    # Passes that issue ops are still told apart; the op-less passes 1 and 2 are not counted.
+    assert [_iters(l) for l in _locs(rec.trace, "AddV2")] == [(0,), (1,)]
+    assert sys.gettrace() is None

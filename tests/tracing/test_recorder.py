@@ -1,0 +1,176 @@
+"""The recorder: refs, attrs, fetch points, unsupported ops, unseeded random ops."""
+import os
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.framework import tensor_util
+from tensorflow.python.ops import gen_math_ops
+
+from terra import _tf_private as tfp
+from terra.ir.records import ConstRef, FeedRef, OutputRef, VariableRef
+from terra.tracing import Recorder, record
+from terra.tracing.recorder import freeze_attr
+
+X = tf.constant([[1.0, 2.0], [3.0, 4.0]])
+
+
+def test_input_refs():
+    v = tf.Variable([1.0, 2.0])
+    big = list(range(20))
+    arr = np.ones((2, 2), "float32")
+    with Recorder() as rec:
+        a = gen_math_ops.add_v2(X, 1.5)            # Python scalar -> ConstRef
+        b = gen_math_ops.mul(a, X)                 # earlier output, same feed again
+        c = gen_math_ops.add_v2(v, [3.0, 4.0])     # raw variable, small list
+        d = tf.constant(big)                       # born here, large -> feed
+        e = gen_math_ops.add_v2(d, 1)
+        f = gen_math_ops.add_v2(arr, b)            # numpy array -> feed
+    r = rec.trace.records
+    assert r[0].inputs == (FeedRef(0), ConstRef(1.5, "float32"))
+    assert r[1].inputs == (OutputRef(0), FeedRef(0))
+    key = id(v.handle)
+    # A raw tf.Variable makes the fast path fall back; the wrapper reads it through a recorded op.
+    assert (r[2].op_type, r[2].inputs) == ("ReadVariableOp", (VariableRef(key),))
+    assert r[3].route == "fallback"
+    assert r[3].inputs == (OutputRef(2), ConstRef((3.0, 4.0), "float32"))
+    assert rec.trace.variables[key] is v
+    assert r[4].inputs == (FeedRef(1), ConstRef(1, "int32"))
+    assert rec.trace.feeds[1].source == "python-constant"
+    assert r[5].inputs == (FeedRef(2), OutputRef(1)) and rec.trace.feeds[2].source == "numpy"
+    assert rec.trace.feed_values[0] is X and rec.trace.feed_values[2] is arr
+    assert [rec.ref_of(t) for t in (a, b, c, e, f)] == [OutputRef(i) for i in (0, 1, 3, 4, 5)]
+    assert rec.ref_of(X) is None and rec.ref_of(d) is None
+    np.testing.assert_array_equal(rec.value(OutputRef(1)).numpy(), b.numpy())
+
+
+def test_attrs_complete_and_equal_on_fast_and_fallback_routes():
+    kv = keras.Variable(np.ones((2, 2), "float32"))
+    with Recorder() as rec:
+        tf.reduce_sum(X, axis=1, keepdims=True)          # fast path
+        tf.reduce_sum(kv, axis=1, keepdims=True)         # keras.Variable: fast path falls back
+        tf.concat([X, X], axis=0)                        # list input
+    sums = [r for r in rec.trace.records if r.op_type == "Sum"]
+    assert [s.route for s in sums] == ["fast", "fallback"]
+    assert sums[0].attrs == sums[1].attrs
+    assert dict(sums[0].attrs) == {"T": "float32", "Tidx": "int32", "keep_dims": True}
+    (concat,) = [r for r in rec.trace.records if r.op_type == "ConcatV2"]
+    assert concat.attr("N") == 2 and concat.attr("T") == "float32"
+    assert concat.inputs[0] == (FeedRef(0), FeedRef(0))
+    assert concat.outputs[0].shape == (4, 2)
+
+
+def test_fetch_points():
+    with Recorder() as rec:
+        y = X + 1.0
+        s = tf.reduce_sum(y)
+        y.numpy()
+        bool(s > 0)
+        float(s)
+        int(tf.cast(s, tf.int32))
+        [0, 1, 2][tf.constant(1) + 0]
+        f"{s}"
+        str(y)
+        tensor_util.constant_value(s)
+        X.numpy()  # not recorded: not produced in this iteration
+    hows = [f.how for f in rec.trace.fetches]
+    assert hows == ["numpy", "bool", "float", "int", "index", "format", "str", "constant_value"]
+    assert rec.trace.fetches[0].ref == OutputRef(0) and rec.trace.fetches[0].after_record == 2
+    for f in rec.trace.fetches:
+        assert f.after_record > f.ref.record
+
+
+def test_unsupported_ops_are_named_and_iteration_still_runs():
+    tl = tf.raw_ops.EmptyTensorList(element_shape=[2], max_num_elements=-1,
+                                    element_dtype=tf.float32)
+    with Recorder() as rec:
+        n = tf.raw_ops.TensorListLength(input_handle=tl)     # external variant input
+        w = tf.Variable(3.0)                                 # creates state inside the iteration
+        ok = X * 2.0
+    assert int(n) == 0 and float(w) == 3.0 and ok.numpy()[0, 0] == 2.0
+    text = " ".join(rec.trace.unsupported)
+    assert "TensorListLength: external variant input" in text
+    assert "VarHandleOp: creates state" in text
+    with pytest.raises(ValueError, match="cannot replay"):
+        from terra.compiler import compile_trace
+        compile_trace(rec.trace)
+
+
+def test_unseeded_random_is_flagged():
+    with pytest.warns(RuntimeWarning, match="RandomStandardNormal"):
+        with Recorder() as rec:
+            tf.random.normal((2,))
+            tf.random.Generator.from_seed(1).normal((2,))
+    flagged = [rec.trace.records[i].op_type for i in rec.trace.unseeded_random]
+    assert flagged == ["RandomStandardNormal"]
+
+
+def test_output_refs_are_consistent_in_a_keras_step():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+    opt = keras.optimizers.SGD(0.1)
+    model(X)
+    opt.build(model.trainable_variables)
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(model(X) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+    _, rec = record(step)
+    trace = rec.trace
+    assert trace.site.endswith("step") and not trace.unsupported
+    for r in trace.records:
+        op_def = tfp.get_op_def(r.op_type)
+        flat = [x for i in r.inputs for x in (i if isinstance(i, tuple) else (i,))]
+        for ref in flat:
+            if isinstance(ref, OutputRef):
+                assert ref.record < r.index
+                assert ref.index < len(trace.records[ref.record].outputs)
+            if isinstance(ref, VariableRef):
+                assert ref.key in trace.variables
+        if op_def is not None:
+            assert len(r.inputs) == len(op_def.input_arg)
+    assert {id(v.value.handle) for v in model.trainable_variables} <= set(trace.variables)
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError):
+        Recorder(site=3)
+    with pytest.raises(ValueError):
+        Recorder(const_limit=-1)
+    rec = Recorder()
+    with pytest.raises(RuntimeError):
+        rec.stop()
+    with pytest.raises(TypeError, match="func"):
+        freeze_attr("func", None)
+    assert freeze_attr("list(type)", [tf.float32, 3]) == ("float32", "int32")
+    assert freeze_attr("shape", [None, 2]) == (None, 2) and freeze_attr("shape", None) is None
+
+
+def test_a_recorder_error_marks_the_op_unsupported_and_never_breaks_the_program(monkeypatch):
+    from terra.tracing import recorder as recorder_module
+
+    def broken(self, info, per_arg, attrs, outputs):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(recorder_module.Recorder, "_fast_attrs", broken)
+    with Recorder() as rec:
+        y = gen_math_ops.add_v2(X, 1.0)
+        z = tf.raw_ops.StringLength(input=tf.strings.as_string(y))
+    assert y.numpy().tolist() == [[2.0, 3.0], [4.0, 5.0]] and z.numpy().shape == (2, 2)
+    assert rec.trace.unsupported[0] == "AddV2: RuntimeError: boom"
+    assert rec.ref_of(y) == OutputRef(0)  # later inputs still resolve to the record
+
+
+def test_string_constants_replay():
+    from terra.compiler import compile_trace
+    with Recorder() as rec:
+        s = tf.strings.join(["ab", "c"])
+        n = tf.strings.length(s)
+    assert rec.trace.records[0].inputs == ((ConstRef(b"ab", "string"), ConstRef(b"c", "string")),)
+    (got,) = compile_trace(rec.trace, [rec.ref_of(n)])([])
+    assert int(got) == 3 == int(n)
