@@ -11,7 +11,7 @@ import sys
 import tensorflow as tf
 
 from terra.runtime.placeholders import Placeholder
-from terra.runtime.session import SESSION
+from terra.runtime.session import SESSION, _real
 
 
 class GradientTape(tf.GradientTape):
@@ -44,24 +44,32 @@ class GradientTape(tf.GradientTape):
             else:
                 super().watch(t)
 
-    def _terra_rewatch(self):
-        """After a fallback: watch the (now real) values of placeholders watched while skipping."""
+    def _terra_rewatch(self, current):
+        """After a fallback, before the replay: the placeholders watched while skipping, as
+        (values to watch now, keys `current(ph)` of this iteration's placeholders, which the
+        replay watches as soon as it produces them). The replay watches while the tape records
+        (a tape that is not on the stack ignores `watch`)."""
         pending, self._terra_pending = self._terra_pending, []
-        if self._recording:
-            for t in pending:
-                super().watch(t._terra_materialize())
+        now, later = [], []
+        for t in pending:
+            key = current(t)
+            if key is not None:
+                later.append(key)
+            else:
+                now.append(t._terra_materialize())
+        return now, later
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         return SESSION.gradient(self, target, sources, output_gradients, unconnected_gradients)
 
-    def jacobian(self, *args, **kwargs):
+    def jacobian(self, target, sources, *args, **kwargs):
         SESSION.force_eager("tape.jacobian")
-        return super().jacobian(*args, **kwargs)
+        return super().jacobian(_real(target), _real(sources), *args, **kwargs)
 
-    def batch_jacobian(self, *args, **kwargs):
+    def batch_jacobian(self, target, source, *args, **kwargs):
         SESSION.force_eager("tape.batch_jacobian")
-        return super().batch_jacobian(*args, **kwargs)
+        return super().batch_jacobian(_real(target), _real(source), *args, **kwargs)
 
 
 TerraGradientTape = GradientTape

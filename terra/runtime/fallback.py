@@ -103,8 +103,11 @@ def _attrs_flat(rec) -> tuple:
 class EagerReplay:
     """Executes records eagerly (recording gradients on active tapes) into `env`."""
 
-    def __init__(self, trace: Trace, feed_values: dict, tape_spans=()):
+    def __init__(self, trace: Trace, feed_values: dict, tape_spans=(), watches=None,
+                 pre_watch=None):
         self.trace = trace
+        self.pre_watch = pre_watch or {}  # tape -> tensors to watch once it records
+        self.watches = watches or {}   # (record, index) -> tapes that watch that output
         # (tape, first record, end record or None): tapes open over those records in eager;
         # the replay puts exited tapes back on the stack over their span.
         self.tape_spans = tape_spans
@@ -162,6 +165,10 @@ class EagerReplay:
         ctx = tfp.context()
         spans = [(t, a, b) for t, a, b in self.tape_spans
                  if not tfp.tape_is_recording(t) and tfp.tape_has_state(t) and a < upto]
+        for t, values in self.pre_watch.items():
+            if tfp.tape_is_recording(t):
+                for v in values:
+                    tf.GradientTape.watch(t, v)
         resumed = []
         try:
             for rec in self.trace.records[:upto]:
@@ -169,6 +176,8 @@ class EagerReplay:
                     if a == rec.index and t not in resumed:
                         tfp.resume_tape(t)
                         resumed.append(t)
+                        for v in self.pre_watch.get(t, ()):
+                            tf.GradientTape.watch(t, v)
                     if b == rec.index and t in resumed:
                         tfp.pause_tape(t)
                         resumed.remove(t)
@@ -194,6 +203,8 @@ class EagerReplay:
                 _execute.record_gradient(rec.op_type, inputs, attrs, outs)
         for j, t in enumerate(outs or ()):
             self.env[(rec.index, j)] = t
+            for tape in self.watches.get((rec.index, j), ()):
+                tf.GradientTape.watch(tape, t)
 
 
 # ------------------------------------------------------------------------------------ recorder

@@ -454,7 +454,16 @@ class Iteration:
                 self.path.graph.drain()
                 self.path.snapshot.restore(self.snap)
             self.mode = "done"  # until the replay succeeded
-            replay = EagerReplay(self.path.trace, runner.fed, self.tape_spans)
+            watches: dict = {}
+            pre_watch: dict = {}
+            for tape in self.tapes:
+                now, later = tape._terra_rewatch(
+                    lambda ph: (lambda r: None if r is None else (r.record, r.index))(
+                        placeholder_ref(ph, runner)))
+                pre_watch[tape] = now
+                for key in later:
+                    watches.setdefault(key, []).append(tape)
+            replay = EagerReplay(self.path.trace, runner.fed, self.tape_spans, watches, pre_watch)
             env = replay.run(runner.pos)
             self.replayed = env
             bind_placeholders(runner.placeholders, env)
@@ -468,8 +477,6 @@ class Iteration:
             rec._keep = None
             self.recorder = rec
             self.mode = "tracing"
-            for tape in self.tapes:
-                tape._terra_rewatch()
         return rec
 
     # ---------------------------------------------------------------- end
