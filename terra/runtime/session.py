@@ -5,8 +5,9 @@ program site (ARCHITECTURE.md §2); a tape entered at another site while the ite
 still running (a GAN's second tape, a nested tape) belongs to the current iteration.
 
 Per site the session goes through phases:
-- tracing: the iteration runs eagerly under a Recorder; the trace is merged into the site's
-  TraceGraph and filed under its *path signature* (records, feed specs, gradient units);
+- tracing: the iteration runs eagerly under a Recorder; the trace is filed under its *path
+  signature* (records, feed specs, coarse units), after generalizing constants that changed
+  between traces of the same path into feeds;
 - co-execution: once a path was traced twice, its graph is generated and the next iterations run
   it on the GraphRunner while the PythonRunner skips the user's ops along the same path;
 - eager: a site that needed more than `max_traces` traces or `max_fallbacks` fallbacks, or whose
@@ -269,7 +270,6 @@ class Site:
     fallbacks: int = 0
     eager_reason: str | None = None
     last_path: Path | None = None
-    trace_graph: object = None
     phase: str = "tracing"
     seen_objects: dict = field(default_factory=dict)
 
@@ -839,14 +839,6 @@ class Session:
         self.traces += 1
         site = it.site
         site.traces += 1
-        try:
-            from terra.compiler.merge import merge
-            from terra.ir.trace_graph import TraceGraph
-            if not trace.unsupported and len(trace.records) <= 5000:
-                site.trace_graph = merge(site.trace_graph or TraceGraph.empty(), trace)
-        except Exception as e:  # noqa: BLE001 - the TraceGraph is informational here
-            site.trace_graph = None
-            self._event("note", site, it.number, f"TraceGraph merge failed: {e}")
         why = _uncompilable(trace)
         units = _units_for(trace, rec.units)
         sig = path_signature(trace, units)
