@@ -21,6 +21,7 @@ becomes another path. Lowering a whole TraceGraph with switch_case/while_loop is
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 import threading
 import time
@@ -953,6 +954,7 @@ class Session:
             hook.uninstall()
             self._installed = False
         self.__init__()
+        gc.collect()  # destroy dropped graphs' queues and variables now, not inside later code
 
 
 _optimizer_patched = False
