@@ -882,6 +882,9 @@ class Session:
             path.view = PathView(path.trace, path.usable_units())
         if path.graph is not None:
             site.last_path = path
+        if why is not None and path.count >= 2 and site.eager_reason is None and \
+                self._predict(site) is None:
+            self._go_eager(site, it.number, f"a repeating path cannot be compiled: {why}")
         if site.eager_reason is None and self._predict(site) is None and \
                 site.traces >= CONFIG.max_traces:
             self._go_eager(site, it.number, f"{site.traces} traces without a compilable repeat"
@@ -1037,6 +1040,10 @@ def _uncompilable(trace) -> str | None:
         return "; ".join(sorted(set(trace.unsupported))[:3])
     if trace.unseeded_random:
         return "stateful random op without a Generator"
+    if any(r.route == "function" for r in trace.records):
+        # skip mode cannot keep TF from materializing a tf.function's arguments, and under a
+        # tape TF calls another variant (__forward_) than without one: not a coarse unit yet
+        return "a tf.function call inside the iteration"
     if any(f.spec.dtype in ("variant", "resource", "string") for f in trace.feeds):
         return "a feed of a type channels cannot carry"
     if not trace.records:

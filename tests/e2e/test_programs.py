@@ -437,3 +437,28 @@ def test_persistent_tape_and_jacobian():
     stats, explain = run_both(prog_persistent_jacobian)
     assert_coexecuted(stats, explain)
     assert stats["fallbacks"] <= 2, explain
+
+
+# 14 ----------------------------------------------------------------- a tf.function inside the step
+@tf.function
+def l2_penalty(w):
+    return 0.01 * tf.reduce_sum(w * w)
+
+
+def prog_tf_function_inside(Tape, steps=6):
+    model, opt = mlp(21), keras.optimizers.SGD(0.05)
+    X, Y = data(steps)
+    losses = []
+    for i in range(steps):
+        with Tape() as tape:
+            loss = tf.reduce_mean((model(X[i]) - Y[i]) ** 2) + l2_penalty(model.trainable_variables[0])
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        losses.append(float(loss))
+    return losses, weights(model, opt)
+
+
+def test_tf_function_inside_step_runs_eagerly_and_correctly():
+    with pytest.warns(RuntimeWarning, match="cannot be compiled"):
+        stats, explain = run_both(prog_tf_function_inside)
+    assert stats["graph_builds"] == 0 and stats["traces"] <= 3, explain
