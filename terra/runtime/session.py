@@ -117,13 +117,17 @@ class PathGraph:
 
         self.concrete = tf.function(body, autograph=False).get_concrete_function()
 
-    def drain(self, fetched=()) -> None:
-        for ch in self.feed_channels:
-            if ch.size():
-                ch.drain()
+    def drain(self, fetched=None) -> None:
+        """Empty the channels after a cancelled run; after a finished one (`fetched` given) the
+        feeds were all consumed and only the fetches Python did not take are left."""
+        if fetched is None:
+            for ch in self.feed_channels:
+                if ch.size():
+                    ch.drain()
         for ref, ch in self.fetch_channels.items():
-            if ch.size():
-                ch.drain()
+            if fetched is None or ref not in fetched:
+                if ch.size():
+                    ch.drain()
 
     @property
     def stall_seconds(self) -> float:
@@ -530,7 +534,7 @@ class Iteration:
                                          self.runner.pos, "graph error"))
                 return
             self.outputs = dict(zip(self.path.graph.liveouts, outs))
-            self.path.graph.drain()
+            self.path.graph.drain(self.fetched)
             missing = _kept_unresolved(self.runner.placeholders, self.outputs)
             if missing:
                 self.fallback(Divergence(user_line(), "values kept by the graph",
