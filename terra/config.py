@@ -21,6 +21,7 @@ class Config:
     timeout_s: bound of every internal wait; reaching it raises TerraTimeoutError naming the op.
     verbose: 0 silent, 1 one line per trace/fallback/graph build, 2 also per iteration.
     max_trace_ops: recording stops (site treated as unsupported) beyond this many ops.
+    layer_units: match calls of Keras' built-in layers as one guarded unit each.
     """
     enabled: bool = True
     coexecution: bool = True
@@ -31,12 +32,14 @@ class Config:
     timeout_s: float = 120.0
     verbose: int = 0
     max_trace_ops: int = 50000
+    layer_units: bool = True
 
 
 CONFIG = Config()
 
 _CHECKS = {
     "enabled": (bool,), "coexecution": (bool,), "xla": (bool,), "grappler": (bool,),
+    "layer_units": (bool,),
     "max_traces": (int,), "max_fallbacks": (int,), "verbose": (int,), "max_trace_ops": (int,),
     "timeout_s": (int, float),
 }

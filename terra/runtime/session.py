@@ -593,6 +593,7 @@ class Session:
         self.runner = _Runner(error_context=self._error_context)
         self._warned: set = set()
         self._depth = 0
+        self._layer_depth = 0
 
     # ---------------------------------------------------------------- helpers
     @contextlib.contextmanager
@@ -825,6 +826,56 @@ class Session:
             rec.units[start] = GradUnit(start, len(rec.trace.records), guard, ())
         return result
 
+    def layer_call(self, layer, original, args, kwargs):
+        """A built-in Keras layer call as one coarse unit (guarded on the layer object, its plain
+        Python settings, the inputs' producers and plain arguments). User-defined layers and
+        models run op by op: their Python may do anything."""
+        it = self.iteration
+        if it is None or it.mode not in ("skip", "tracing") or self._layer_depth or \
+                not getattr(layer, "built", False) or \
+                not type(layer).__module__.startswith(_KERAS_LAYER_MODULES):
+            return original(layer, *args, **kwargs)
+        settings = tuple((k, v) for k, v in vars(layer).items()
+                         if isinstance(v, (bool, int, float, str, type(None))))
+        flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True)
+
+        def guard_of(x):
+            if isinstance(x, (bool, int, float, str, type(None))):
+                return ("value", x)
+            return self.guard_ref(it, x)
+
+        if it.mode == "skip":
+            unit = it.runner.view.units.get(it.runner.pos)
+            guard = (id(layer), settings) + tuple(guard_of(x) for x in flat)
+            if unit is not None and unit.guard == guard:
+                with self.internal():
+                    out = it.runner.gradient_unit(guard)
+                return tf.nest.pack_sequence_as(unit.structure, out, expand_composites=True)
+            self._layer_depth += 1  # no unit here: match the layer's ops one by one
+            try:
+                return original(layer, *args, **kwargs)
+            finally:
+                self._layer_depth -= 1
+        rec = it.recorder
+        guard = (id(layer), settings) + tuple(
+            guard_of(x._terra_materialize() if isinstance(x, Placeholder) else x) for x in flat)
+        start = len(rec.trace.records)
+        self._layer_depth += 1
+        try:
+            result = original(layer, *args, **kwargs)
+        finally:
+            self._layer_depth -= 1
+        outs = tf.nest.flatten(result, expand_composites=True)
+        refs = [rec.ref_of(t) if isinstance(t, tfp.EagerTensorBase) else None for t in outs]
+        usable = (not any(isinstance(g, tuple) and g[0] == "external" for g in guard[2:])
+                  and all(r is not None for r in refs)
+                  and not any(hasattr(t, "_keras_mask") for t in outs)
+                  and not rec.too_long and len(rec.trace.records) > start)
+        if usable:
+            rec.units[start] = GradUnit(start, len(rec.trace.records), guard, tuple(refs),
+                                        structure=result)
+        return result
+
     def force_eager(self, what: str) -> None:
         """Something Terra does not compile (e.g. tape.jacobian): run it eagerly, untraced."""
         it = self.iteration
@@ -965,6 +1016,7 @@ class Session:
 
 
 _optimizer_patched = False
+_KERAS_LAYER_MODULES = ("keras.src.layers.",)
 
 
 def _install_optimizer_unit():
@@ -987,6 +1039,19 @@ def _install_optimizer_unit():
     apply_gradients.__wrapped__ = original
     BaseOptimizer.apply_gradients = apply_gradients
     _optimizer_patched = True
+    try:
+        from keras.src.layers.layer import Layer
+    except ImportError:
+        return
+    layer_call = Layer.__call__
+
+    def __call__(self, *args, **kwargs):
+        if SESSION.iteration is None or not CONFIG.layer_units:
+            return layer_call(self, *args, **kwargs)
+        return SESSION.layer_call(self, layer_call, args, kwargs)
+
+    __call__.__wrapped__ = layer_call
+    Layer.__call__ = __call__
 
 
 def _real(structure):

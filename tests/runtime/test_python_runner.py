@@ -126,3 +126,35 @@ def test_fetch_point_values_and_prints(capsys):
     out = capsys.readouterr().out.split()
     assert out == [f"{x:.3f}" for x in got]
     assert terra.stats()["graph_builds"] >= 1
+
+
+def test_keras_layer_units_are_skipped_and_guarded_on_settings():
+    import keras
+
+    def prog(Tape):
+        keras.utils.set_random_seed(3)
+        inp = keras.layers.Input((4,))
+        h = keras.layers.Dense(6, activation="relu")(inp)
+        h = keras.layers.Dropout(0.25, seed=1)(h)
+        model = keras.Model(inp, keras.layers.Dense(1)(h))
+        drop = model.layers[2]
+        opt = keras.optimizers.SGD(0.05)
+        x = tf.constant(np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4))
+        out = []
+        for i in range(8):
+            if i == 5:
+                drop.rate = 0.5          # a plain Python setting of a built-in layer changes
+            with Tape() as tape:
+                loss = tf.reduce_mean(model(x, training=True) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            out.append(float(loss))
+        terra.end_iteration()
+        return out, [v.numpy() for v in model.variables]
+    le, ve = prog(tf.GradientTape)
+    lt, vt = prog(tf.TerraGradientTape)
+    np.testing.assert_allclose(lt, le, rtol=1e-6)
+    for a, b in zip(ve, vt):
+        np.testing.assert_allclose(b, a, rtol=1e-6)
+    it_units = [p for s in SESSION.sites.values() for p in s.paths.values() if p.graph is not None]
+    assert any(len(p.units) > 2 for p in it_units)  # layer units besides gradient and optimizer
