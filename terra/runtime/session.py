@@ -1104,7 +1104,18 @@ def _unit_feeds(trace, unit):
     return tuple(inside)
 
 
+# Ops whose output shape depends on input values: a placeholder would report the traced shape
+# and Python code reading `.shape` could decide differently than eager. Not compiled (yet).
+DATA_DEPENDENT_SHAPE_OPS = frozenset({
+    "Where", "Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2", "DynamicPartition",
+    "ListDiff", "NonMaxSuppressionV3", "NonMaxSuppressionV4", "NonMaxSuppressionV5",
+    "RaggedRange", "StringSplitV2", "SparseFillEmptyRows"})
+
+
 def _uncompilable(trace) -> str | None:
+    bad = sorted({r.op_type for r in trace.records if r.op_type in DATA_DEPENDENT_SHAPE_OPS})
+    if bad:
+        return f"ops with data-dependent output shapes ({', '.join(bad)})"
     if trace.unsupported:
         return "; ".join(sorted(set(trace.unsupported))[:3])
     if trace.unseeded_random:

@@ -158,3 +158,22 @@ def test_keras_layer_units_are_skipped_and_guarded_on_settings():
         np.testing.assert_allclose(b, a, rtol=1e-6)
     it_units = [p for s in SESSION.sites.values() for p in s.paths.values() if p.graph is not None]
     assert any(len(p.units) > 2 for p in it_units)  # layer units besides gradient and optimizer
+
+
+def test_data_dependent_shapes_are_not_compiled():
+    def prog(Tape):
+        v = tf.Variable([1.0, -2.0, 3.0, -4.0])
+        sizes = []
+        for i in range(6):
+            with Tape() as tape:
+                picked = tf.boolean_mask(v, v > float(i) - 3.0)   # size depends on the values
+                sizes.append(int(picked.shape[0]))
+                loss = tf.reduce_sum(picked ** 2)
+            v.assign_sub(0.1 * tape.gradient(loss, v))
+        terra.end_iteration()
+        return sizes, v.numpy()
+    se, ve = prog(tf.GradientTape)
+    st, vt = prog(tf.TerraGradientTape)
+    assert st == se
+    np.testing.assert_allclose(vt, ve, rtol=1e-6)
+    assert terra.stats()["graph_builds"] == 0 and "data-dependent" in terra.explain()
