@@ -24,10 +24,10 @@ from typing import Any, Optional
 import numpy as np
 
 from terra import _tf_private as tfp
-from terra.ir.records import ConstRef, Feed, FeedRef, Fetch, OutputRef, Trace, VariableRef
+from terra.ir.records import ConstRef, FeedRef, Fetch, OutputRef, Trace, VariableRef
 from terra.runtime.placeholders import Placeholder
 from terra.tracing import hook
-from terra.tracing.recorder import _frozen_value, _is_python_value, _python_dtype, freeze_attr
+from terra.tracing.recorder import _frozen_value, _is_python_value, freeze_attr
 
 
 PAST_END = "op after the end of the path"

@@ -44,7 +44,7 @@ from terra.runtime.fallback import (ContinuingRecorder, EagerReplay, Snapshot, b
 from terra.runtime.graph_runner import GraphRunner, op_node_name
 from terra.runtime.placeholders import Placeholder
 from terra.runtime.python_runner import (Diverged, Divergence, GradUnit, PathView, PythonRunner,
-                                         SkipPlaceholder, placeholder_ref, user_line)
+                                         placeholder_ref, user_line)
 from terra.tracing import hook
 
 
