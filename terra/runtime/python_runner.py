@@ -87,9 +87,7 @@ class SkipPlaceholder(Placeholder):
 
     def __tf_tensor__(self, dtype=None, name=None):
         owner = self.__dict__.get("_terra_owner")
-        if owner is not None and owner.skipping and self.__dict__.get("_terra_value") is None:
-            return self
-        if owner is not None and owner.skipping:
+        if owner is not None and owner.skipping:  # the op is skipped too: hand it the placeholder
             return self
         return super().__tf_tensor__(dtype, name)
 
