@@ -263,3 +263,27 @@ def forward_backward_pair(concrete_fn) -> ForwardBackwardPair:
     num_output_grads = len(backward.inputs) - len(backward.captured_inputs)
     return ForwardBackwardPair(graph, num_outputs, num_output_grads, tuple(sources),
                                forward, backward)
+
+
+# ---- co-execution: session, fallback (terra/runtime/session.py, fallback.py) -------------------
+# Checked by tests/runtime/test_fallback.py::test_private_tape_api.
+def tape_is_recording(gradient_tape) -> bool:
+    """Whether a tf.GradientTape is on the tape stack now."""
+    return bool(gradient_tape._recording)
+
+
+def tape_has_state(gradient_tape) -> bool:
+    """Whether a tf.GradientTape still holds its recorded tape (False after a non-persistent
+    tape's `gradient`)."""
+    return gradient_tape._tape is not None
+
+
+def resume_tape(gradient_tape) -> None:
+    """Put an exited tf.GradientTape back on the tape stack, so ops replayed after a fallback are
+    recorded on it as they were (in eager) while it was open."""
+    gradient_tape._push_tape()
+
+
+def pause_tape(gradient_tape) -> None:
+    """Take a resumed tf.GradientTape off the tape stack again."""
+    gradient_tape._pop_tape()

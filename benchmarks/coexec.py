@@ -1,0 +1,206 @@
+"""Steady-state step time: eager vs tf.function vs Terra co-execution vs Terra "lazy evaluation".
+
+    python -m benchmarks.coexec [--steps 30] [--warmup 8] [--quick]
+
+Two programs written as eager training loops: a CNN (batch 32, 32x32x3, four conv layers) and a
+small transformer encoder. All variants run in the same process, interleaved per round so load
+changes on the shared machine hit them alike. Reports medians and spread (p10/p90) of per-step
+wall time after warm-up, Terra's stats (traces, fallbacks, stalls), and the cost of the
+per-iteration variable snapshot. Writes benchmarks/results/coexec.json and coexec.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import terra  # noqa: E402
+from terra.runtime.fallback import Snapshot  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+# ------------------------------------------------------------------------------------ programs
+def cnn():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.layers.Input((32, 32, 3)),
+        keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+        keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(10)])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 32, 32, 3)).astype(np.float32)
+    y = rng.integers(0, 10, size=(32,)).astype(np.int32)
+    return model, (x, y)
+
+
+class EncoderBlock(keras.layers.Layer):
+    def __init__(self, d, heads, ff):
+        super().__init__()
+        self.att = keras.layers.MultiHeadAttention(heads, d // heads)
+        self.n1 = keras.layers.LayerNormalization()
+        self.n2 = keras.layers.LayerNormalization()
+        self.f1 = keras.layers.Dense(ff, activation="relu")
+        self.f2 = keras.layers.Dense(d)
+
+    def call(self, x):
+        x = self.n1(x + self.att(x, x))
+        return self.n2(x + self.f2(self.f1(x)))
+
+
+def transformer():
+    keras.utils.set_random_seed(0)
+    inp = keras.layers.Input((16,), dtype="int32")
+    h = keras.layers.Embedding(100, 32)(inp)
+    h = EncoderBlock(32, 4, 64)(h)
+    h = EncoderBlock(32, 4, 64)(h)
+    out = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(h))
+    model = keras.Model(inp, out)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 100, size=(16, 16)).astype(np.int32)
+    y = rng.integers(0, 10, size=(16,)).astype(np.int32)
+    return model, (x, y)
+
+
+PROGRAMS = {"cnn": cnn, "transformer": transformer}
+
+
+# ------------------------------------------------------------------------------------ variants
+def make_step(model, opt, tape_cls):
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def step(x, y):
+        with tape_cls() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+    return step
+
+
+def variant(name, builder):
+    model, (x, y) = builder()
+    opt = keras.optimizers.Adam(1e-3)
+    if name == "eager":
+        step = make_step(model, opt, tf.GradientTape)
+    elif name == "tf.function":
+        step = tf.function(make_step(model, opt, tf.GradientTape))
+    else:
+        step = make_step(model, opt, tf.TerraGradientTape)
+    return step, (x, y), model, opt
+
+
+def run_rounds(prog, names, steps, warmup):
+    """Each variant runs `warmup` then `steps` steps, round-robin in chunks so that load changes
+    on the shared machine affect every variant alike."""
+    builder = PROGRAMS[prog]
+    out = {}
+    for name in names:
+        terra.reset()
+        if name == "terra (lazy)":
+            terra.config(coexecution=False)
+        else:
+            terra.config(coexecution=True)
+        step, (x, y), model, opt = variant(name, builder)
+        t_build = time.perf_counter()
+        for _ in range(warmup):
+            float(step(x, y))
+        warm_s = time.perf_counter() - t_build
+        before = terra.stats()
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            loss = step(x, y)
+            float(loss)  # every variant materializes the loss once per step
+            times.append(time.perf_counter() - t)
+        after = terra.stats()
+        terra.end_iteration()
+        rec = {"median_ms": 1e3 * float(np.median(times)), "p10_ms": 1e3 * float(np.percentile(times, 10)),
+               "p90_ms": 1e3 * float(np.percentile(times, 90)), "min_ms": 1e3 * float(np.min(times)),
+               "warmup_s": warm_s, "steps": steps}
+        if name.startswith("terra"):
+            rec["stats"] = {k: (after[k] - before[k] if isinstance(after[k], (int, float)) else after[k])
+                            for k in after}
+            rec["stats_total"] = after
+        if name == "terra":
+            vars_ = [v.value if hasattr(v, "value") and not isinstance(v, tf.Variable) else v
+                     for v in list(model.variables) + list(opt.variables)]
+            snap = Snapshot([getattr(v, "_value", v) for v in vars_])
+            snap.take()
+            t = time.perf_counter()
+            for _ in range(10):
+                snap.take()
+            rec["snapshot_ms"] = 1e3 * (time.perf_counter() - t) / 10
+        out[name] = rec
+        print(f"  {prog:12s} {name:14s} median {rec['median_ms']:8.2f} ms  "
+              f"p10 {rec['p10_ms']:8.2f}  p90 {rec['p90_ms']:8.2f}", flush=True)
+    terra.config(coexecution=True)
+    terra.reset()
+    return out
+
+
+def markdown(results, meta) -> str:
+    lines = ["# Co-execution benchmark (benchmarks/coexec.py)", "",
+             f"{meta['machine']}; TF {meta['tf']}; {meta['steps']} timed steps after "
+             f"{meta['warmup']} warm-up steps; one process, variants run one after another.", "",
+             "| program | variant | median ms | p10 | p90 | vs eager | vs tf.function |",
+             "|---|---|---|---|---|---|---|"]
+    for prog, res in results.items():
+        e = res["eager"]["median_ms"]
+        f = res["tf.function"]["median_ms"]
+        for name, r in res.items():
+            lines.append(f"| {prog} | {name} | {r['median_ms']:.2f} | {r['p10_ms']:.2f} | "
+                         f"{r['p90_ms']:.2f} | {e / r['median_ms']:.2f}x | "
+                         f"{r['median_ms'] / f:.2f} |")
+    lines += ["", "Terra counters over the timed steps (seconds summed over the steps):", "",
+              "| program | variant | traces | fallbacks | python exec s | python stall s | "
+              "graph exec s | graph stall s | snapshot ms/step |", "|---|---|---|---|---|---|---|---|---|"]
+    for prog, res in results.items():
+        for name, r in res.items():
+            if "stats" in r:
+                s = r["stats"]
+                lines.append(f"| {prog} | {name} | {r['stats_total']['traces']} | "
+                             f"{r['stats_total']['fallbacks']} | {s['python_exec_s']:.3f} | "
+                             f"{s['python_stall_s']:.3f} | {s['graph_exec_s']:.3f} | "
+                             f"{s['graph_stall_s']:.3f} | {r.get('snapshot_ms', float('nan')):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="10 steps, 5 warm-up")
+    ap.add_argument("--programs", default="cnn,transformer")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup = 10, 5
+    names = ["eager", "tf.function", "terra", "terra (lazy)"]
+    results = {}
+    for prog in args.programs.split(","):
+        results[prog] = run_rounds(prog, names, args.steps, args.warmup)
+    meta = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "tf": tf.__version__,
+            "steps": args.steps, "warmup": args.warmup}
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "coexec.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=2)
+    md = markdown(results, meta)
+    with open(os.path.join(RESULTS, "coexec.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

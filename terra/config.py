@@ -1,0 +1,68 @@
+"""Terra's user-visible settings (`terra.config(...)`).
+
+One process-wide `Config`; `configure(**changes)` validates and applies changes and returns the
+settings in force before, so tests can restore them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Config:
+    """enabled: TerraGradientTape co-executes (False: it is a plain tf.GradientTape).
+    coexecution: run the graph concurrently with Python (False: "lazy evaluation", the graph runs
+      only when Python needs a value or the iteration ends, serialized with Python).
+    max_traces: distinct traces per iteration site before that site stays eager (one warning).
+    max_fallbacks: fallbacks per site before it stays eager.
+    xla: compile compute-only subgraphs with XLA (accepted; not applied yet, see docs/usage.md).
+    grappler: run generated graphs with Grappler (faster; results equal eager to about an ulp).
+    timeout_s: bound of every internal wait; reaching it raises TerraTimeoutError naming the op.
+    verbose: 0 silent, 1 one line per trace/fallback/graph build, 2 also per iteration.
+    max_trace_ops: recording stops (site treated as unsupported) beyond this many ops.
+    layer_units: match calls of Keras' built-in layers as one guarded unit each.
+    """
+    enabled: bool = True
+    coexecution: bool = True
+    max_traces: int = 8
+    max_fallbacks: int = 20
+    xla: bool = False
+    grappler: bool = True
+    timeout_s: float = 120.0
+    verbose: int = 0
+    max_trace_ops: int = 50000
+    layer_units: bool = True
+
+
+CONFIG = Config()
+
+_CHECKS = {
+    "enabled": (bool,), "coexecution": (bool,), "xla": (bool,), "grappler": (bool,),
+    "layer_units": (bool,),
+    "max_traces": (int,), "max_fallbacks": (int,), "verbose": (int,), "max_trace_ops": (int,),
+    "timeout_s": (int, float),
+}
+
+
+def configure(**changes) -> dict:
+    """Apply `changes` (see `Config`); returns the previous values of the changed settings."""
+    old = {}
+    for name, value in changes.items():
+        types = _CHECKS.get(name)
+        if types is None:
+            raise ValueError(f"terra.config: unknown setting {name!r}; known: {sorted(_CHECKS)}")
+        if not isinstance(value, types) or (types != (bool,) and isinstance(value, bool)):
+            raise TypeError(f"terra.config: {name} must be {types[0].__name__}, got {value!r}")
+        if name in ("max_traces", "max_fallbacks", "max_trace_ops") and value < 1:
+            raise ValueError(f"terra.config: {name} must be >= 1, got {value!r}")
+        if name == "timeout_s" and value <= 0:
+            raise ValueError(f"terra.config: timeout_s must be > 0, got {value!r}")
+        old[name] = getattr(CONFIG, name)
+    for name, value in changes.items():
+        setattr(CONFIG, name, value)
+    return old
+
+
+def as_dict() -> dict:
+    return dataclasses.asdict(CONFIG)

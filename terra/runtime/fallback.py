@@ -1,0 +1,339 @@
+"""Fallback: leave skip mode mid-iteration and continue eagerly with nothing lost.
+
+On a divergence the graph is cancelled, the variables it may have written are restored from the
+snapshot taken at iteration start, and the ops the skeleton already matched (the "prefix") are
+replayed eagerly, op by op, through TF's own execute path and recorded on the active gradient
+tapes exactly as eager would have recorded them. Every placeholder the program holds is then bound
+to its real value, and a `ContinuingRecorder` continues the iteration in the tracing phase with
+the prefix already in its trace, so the finished trace is identical to one recorded eagerly.
+
+Why a snapshot rather than gating writes on "reached" tokens (ARCHITECTURE.md §2): a snapshot is
+one graph call that reads every written variable; the reads share buffers with the variables and
+TF copies a buffer only when an update finds it shared, so the cost is one copy per written
+variable per iteration, paid inside the graph's own update ops. Token gating would add a feed per
+coarse unit and stop the graph from running ahead into the optimizer update, which is where
+co-execution gains most; see benchmarks/results/coexec.md for the measured snapshot cost.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from terra import _tf_private as tfp
+from terra.ir.records import ConstRef, Feed, FeedRef, OutputRef, Trace, VariableRef
+from terra.runtime.placeholders import Placeholder
+from tensorflow.python.eager import execute as _execute
+
+from terra.tracing.recorder import Recorder, _frozen_value
+
+# Ops whose first input is a variable they update (anything else taking a variable only reads).
+_READ_ONLY = frozenset({"ReadVariableOp", "VariableShape", "VarIsInitializedOp",
+                        "ResourceGather", "ResourceGatherNd"})
+
+
+def written_variables(trace: Trace) -> list:
+    """Variables some record of `trace` may write (every variable a function call captures)."""
+    keys = []
+    seen = set()
+    for rec in trace.records:
+        if rec.op_type in _READ_ONLY:
+            continue
+        flat = [r for a in rec.inputs for r in (a if isinstance(a, tuple) else (a,))]
+        for r in flat:
+            if isinstance(r, VariableRef) and r.key not in seen:
+                if rec.route == "function" or rec.op_type not in _READ_ONLY:
+                    seen.add(r.key)
+                    keys.append(r.key)
+    out = []
+    for k in keys:
+        v = trace.variables.get(k)
+        if isinstance(v, tfp.BaseResourceVariable):
+            out.append(v)
+    return out
+
+
+class Snapshot:
+    """Reads a fixed list of variables in one graph call; `restore(values)` writes them back."""
+
+    def __init__(self, variables):
+        self.variables = list(variables)
+        vs = self.variables
+        self._read = tf.function(lambda: [tf.identity(v.read_value()) for v in vs],
+                                 autograph=False) if vs else None
+
+    def take(self):
+        return self._read() if self._read is not None else []
+
+    def restore(self, values) -> None:
+        for v, x in zip(self.variables, values):
+            v.assign(x)
+
+
+# ------------------------------------------------------------------------------------ eager replay
+def _thaw_attr(attr_type, value):
+    if attr_type == "type":
+        return tf.as_dtype(value).as_datatype_enum
+    if attr_type == "list(type)":
+        return [tf.as_dtype(x).as_datatype_enum for x in value]
+    if attr_type == "shape":
+        return None if value is None else list(value)
+    if attr_type == "list(shape)":
+        return [None if s is None else list(s) for s in value]
+    if attr_type.startswith("list("):
+        return list(value)
+    return value
+
+
+_thawed: dict = {}
+
+
+def _attrs_flat(rec) -> tuple:
+    key = (rec.op_type, rec.attrs)
+    out = _thawed.get(key)
+    if out is None:
+        op_def = tfp.get_op_def(rec.op_type)
+        types = {a.name: a.type for a in op_def.attr}
+        flat = []
+        for name, value in rec.attrs:
+            flat += [name, _thaw_attr(types[name], value)]
+        out = _thawed[key] = tuple(flat)
+    return out
+
+
+class EagerReplay:
+    """Executes records eagerly (recording gradients on active tapes) into `env`."""
+
+    def __init__(self, trace: Trace, feed_values: dict, tape_spans=(), watches=None,
+                 pre_watch=None):
+        self.trace = trace
+        self.pre_watch = pre_watch or {}  # tape -> tensors to watch once it records
+        self.watches = watches or {}   # (record, index) -> tapes that watch that output
+        # (tape, first record, end record or None): tapes open over those records in eager;
+        # the replay puts exited tapes back on the stack over their span.
+        self.tape_spans = tape_spans
+        self.feeds = feed_values
+        self.env: dict = {}
+        self.consts: dict = {}
+        self.converted: dict = {}   # slot -> tensor made from a non-tensor feed value
+
+    def value(self, ref, dtype):
+        if isinstance(ref, OutputRef):
+            return self.env[(ref.record, ref.index)]
+        if isinstance(ref, FeedRef):
+            v = self.feeds[ref.slot]
+            if isinstance(v, Placeholder):
+                v = v._terra_materialize()
+            if isinstance(v, tfp.EagerTensorBase):
+                return v
+            t = self.converted.get(ref.slot)
+            if t is None:
+                t = self.converted[ref.slot] = tf.convert_to_tensor(
+                    v, self.trace.feeds[ref.slot].spec.dtype)
+            return t
+        if isinstance(ref, VariableRef):
+            var = self.trace.variables[ref.key]
+            if dtype == "resource" or dtype is None:
+                return var.handle if isinstance(var, tfp.BaseResourceVariable) else var
+            return var.read_value() if isinstance(var, tfp.BaseResourceVariable) else \
+                tfp.read_variable_op(var, dtype)
+        if isinstance(ref, ConstRef):
+            c = self.consts.get(ref)
+            if c is None:
+                np_dtype = object if ref.dtype == "string" else tf.as_dtype(ref.dtype).as_numpy_dtype
+                c = self.consts[ref] = tf.constant(np.array(ref.value, dtype=np_dtype), ref.dtype)
+            return c
+        raise TypeError(f"fallback replay: unknown ref {ref!r}")
+
+    def _flat_inputs(self, rec):
+        if rec.route == "function":
+            return [self.value(r, None) for r in rec.inputs]
+        op_def = tfp.get_op_def(rec.op_type)
+        attrs = dict(rec.attrs)
+        flat = []
+        for arg, ref in zip(op_def.input_arg, rec.inputs):
+            if arg.type_list_attr:
+                flat += [self.value(r, d) for r, d in zip(ref, attrs[arg.type_list_attr])]
+            else:
+                dtype = attrs.get(arg.type_attr) if arg.type_attr else tf.as_dtype(arg.type).name
+                if arg.number_attr:
+                    flat += [self.value(r, dtype) for r in ref]
+                else:
+                    flat.append(self.value(ref, dtype))
+        return flat
+
+    def run(self, upto: int) -> dict:
+        ctx = tfp.context()
+        spans = [(t, a, b) for t, a, b in self.tape_spans
+                 if not tfp.tape_is_recording(t) and tfp.tape_has_state(t) and a < upto]
+        for t, values in self.pre_watch.items():
+            if tfp.tape_is_recording(t):
+                for v in values:
+                    tf.GradientTape.watch(t, v)
+        resumed = []
+        try:
+            for rec in self.trace.records[:upto]:
+                for t, a, b in spans:
+                    if a == rec.index and t not in resumed:
+                        tfp.resume_tape(t)
+                        resumed.append(t)
+                        for v in self.pre_watch.get(t, ()):
+                            tf.GradientTape.watch(t, v)
+                    if b == rec.index and t in resumed:
+                        tfp.pause_tape(t)
+                        resumed.remove(t)
+                self._run_one(rec, ctx, _execute)
+        finally:
+            for t in resumed:
+                tfp.pause_tape(t)
+        return self.env
+
+    def _run_one(self, rec, ctx, _execute):
+        inputs = self._flat_inputs(rec)
+        if rec.route == "function":
+            fn = self.trace.functions[rec.function]
+            outs = fn.call_flat(*inputs)
+        elif rec.op_type == "ReadVariableOp" and isinstance(rec.inputs[0], VariableRef) and \
+                isinstance(self.trace.variables.get(rec.inputs[0].key), tfp.BaseResourceVariable):
+            # through the variable, so active tapes watch it as eager did
+            outs = [self.trace.variables[rec.inputs[0].key].value()]
+        else:
+            attrs = _attrs_flat(rec)
+            outs = _execute.execute(rec.op_type, len(rec.outputs), inputs, attrs, ctx)
+            if outs and _execute.must_record_gradient():
+                _execute.record_gradient(rec.op_type, inputs, attrs, outs)
+        for j, t in enumerate(outs or ()):
+            self.env[(rec.index, j)] = t
+            for tape in self.watches.get((rec.index, j), ()):
+                tf.GradientTape.watch(tape, t)
+
+
+# ------------------------------------------------------------------------------------ recorder
+class ContinuingRecorder(Recorder):
+    """A Recorder that understands placeholders (by their real value) and can start from a prefix
+    of an earlier trace; it stops recording (marking the trace unsupported) past `max_ops`."""
+
+    def __init__(self, site, max_ops: int = 50000):
+        super().__init__(site)
+        self.max_ops = max_ops
+        self.units: dict = {}   # start -> GradUnit
+        self.too_long = False
+        self.in_unit = False
+
+    def seed(self, trace: Trace, upto: int, feed_values: dict, env: dict, placeholders: dict,
+             units: dict, fetches=(), replay=None, born=None) -> None:
+        """Start from `trace.records[:upto]` whose outputs are `env[(record, index)]`."""
+        t = self.trace
+        t.records = list(trace.records[:upto])
+        used = sorted(feed_values)
+        if used != list(range(len(used))):
+            raise ValueError(f"fallback: fed slots {used} are not a prefix of the feed table")
+        t.feeds = [Feed(s, trace.feeds[s].spec, trace.feeds[s].source) for s in used]
+        t.feed_values = [feed_values[s] for s in used]
+        for s in used:
+            v = feed_values[s]
+            self._feeds[id(v)] = (v, FeedRef(s))
+            if isinstance(v, Placeholder) and v.is_materialized:
+                real = v._terra_materialize()
+                self._feeds[id(real)] = (real, FeedRef(s))
+        t.variables = dict(trace.variables)
+        for key, var in trace.variables.items():
+            if isinstance(var, tfp.BaseResourceVariable):
+                self._handles[key] = (var.handle, var)
+        t.functions = dict(trace.functions)
+        t.fast_fallbacks = [i for i in trace.fast_fallbacks if i < upto]
+        t.unseeded_random = [i for i in trace.unseeded_random if i < upto]
+        t.fetches = list(fetches)
+        for (i, j), value in env.items():
+            self._produced[id(value)] = (value, OutputRef(i, j))
+        self.units = {s: u for s, u in units.items() if u.end <= upto}
+        for key, (t, value) in (born or {}).items():  # converted while skipping: constants
+            self._born[key] = (t, value)
+        if replay is not None:  # tensors the replay made: tapes hold them, gradients read them
+            for ref, c in replay.consts.items():
+                self._born[id(c)] = (c, ref.value)
+            for slot, t in replay.converted.items():
+                self._feeds[id(t)] = (t, FeedRef(slot))
+        self._keep = (env, placeholders)
+
+    def _ref(self, v, dtype):
+        if isinstance(v, Placeholder):
+            v = v._terra_materialize()
+        if not self.in_unit:  # NumPy values are data; inside tape.gradient, TF's shape constants
+            return super()._ref(v, dtype)
+        known = self._feeds.get(id(v)) or self._produced.get(id(v))
+        if known is not None and known[0] is v:  # data the forward pass already fed or made
+            return super()._ref(v, dtype)
+        if isinstance(v, tfp.EagerTensorBase) and v.dtype.is_integer and \
+                v.shape.num_elements() <= self.const_limit and id(v) not in self._born:
+            # an integer tensor gradient code made invisibly (TF's caches): a shape constant,
+            # fixed for a path (its feed shapes are part of the path's signature)
+            return ConstRef(_frozen_value(v.numpy(), v.dtype.name), v.dtype.name)
+        if isinstance(v, tfp.EagerTensorBase):
+            born = self._born.get(id(v))
+            if born is not None and born[0] is v and isinstance(born[1], (np.ndarray, np.generic)) \
+                    and born[1].size <= self.const_limit and v.dtype.name != "string":
+                return ConstRef(_frozen_value(born[1], v.dtype.name), v.dtype.name)
+        elif isinstance(v, (np.ndarray, np.generic)) and v.size <= self.const_limit and \
+                v.dtype.kind in "biuf":
+            d = dtype or tf.as_dtype(v.dtype).name
+            return ConstRef(_frozen_value(v, d), d)
+        return super()._ref(v, dtype)
+
+    def ref_of(self, tensor):
+        if isinstance(tensor, Placeholder):
+            tensor = tensor._terra_materialize()
+        return super().ref_of(tensor)
+
+    def op(self, op_type, inputs, attrs, route, run):
+        if route == "fast" and not self.too_long and (_reads_raw_variable(op_type, inputs) or (
+                _execute.must_record_gradient() and _has_raw_value(inputs))):
+            # C++ would read the variable invisibly; the wrapper's slow path reads it in Python,
+            # where the read is an op we record (and the tape sees the same value).
+            self._fast_failed = op_type
+            raise tfp.FallbackException()
+        if self.too_long:
+            return run()
+        if len(self.trace.records) >= self.max_ops:
+            self.too_long = True
+            self.trace.unsupported.append(f"more than {self.max_ops} ops in one iteration")
+            return run()
+        return super().op(op_type, inputs, attrs, route, run)
+
+
+def _has_raw_value(inputs) -> bool:
+    """A Python or NumPy value the C fast path would convert invisibly (a tape keeps the
+    converted tensor, and its gradient would read a tensor no record produced)."""
+    for v in inputs:
+        for e in (v if isinstance(v, (list, tuple)) else (v,)):
+            if not isinstance(e, (tf.Tensor, tfp.BaseResourceVariable)) and \
+                    not hasattr(e, "handle") and e is not None:
+                return True
+    return False
+
+
+def _reads_raw_variable(op_type, inputs) -> bool:
+    op_def = tfp.get_op_def(op_type)
+    if op_def is None:
+        return False
+    for arg, v in zip(op_def.input_arg, inputs):
+        if arg.type == _DT_RESOURCE:
+            continue
+        for e in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(e, tfp.BaseResourceVariable):
+                return True
+    return False
+
+
+_DT_RESOURCE = tf.resource.as_datatype_enum
+
+
+def bind_placeholders(placeholders: dict, env: dict) -> None:
+    """Make every placeholder of the iteration forward to its replayed value."""
+    for key, ph in placeholders.items():
+        value = env.get(key)
+        if value is not None and not ph.is_bound:
+            ph._terra_bind(value)
+
+
+__all__ = ["written_variables", "Snapshot", "EagerReplay", "ContinuingRecorder",
+           "bind_placeholders"]

@@ -1,0 +1,498 @@
+"""PythonRunner: the skeleton run of the user's Python during the co-execution phase.
+
+While a generated graph computes an iteration, the user's Python still runs, but every TF op is
+*skipped*: the runner checks it against the next record of the path the graph executes (op type,
+attrs, and every input: the same producer, variable, constant value or feed slot), returns
+placeholders for its outputs, and puts new external values (data, changed Python values) into the
+graph's feed channels. Checking data flow, not the call site, is what makes a skipped op safe: the
+graph computes exactly this op on exactly these inputs. A check that fails is a `Divergence`; the
+session then falls back (terra/runtime/fallback.py).
+
+Coarse units: a whole `tape.gradient` call is matched as one unit (its target and sources must be
+the recorded ones) and its recorded backward ops are skipped without looking at them.
+
+Placeholders are the runtime's `Placeholder` (terra/runtime/placeholders.py) with one change
+(`SkipPlaceholder`): while its iteration is being skipped, converting it to a tensor returns the
+placeholder itself, so op wrappers hand it to the hook instead of fetching its value.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from terra import _tf_private as tfp
+from terra.ir.records import ConstRef, FeedRef, Fetch, OutputRef, Trace, VariableRef
+from terra.runtime.placeholders import Placeholder
+from terra.tracing import hook
+from terra.tracing.recorder import _frozen_value, _is_python_value, freeze_attr
+
+
+PAST_END = "op after the end of the path"
+
+# ------------------------------------------------------------------------------------ records
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    """Why a skipped iteration left its path: at op `position` the path expected `expected`, the
+    program did `observed`, issued from the user's source line `location`."""
+    location: str
+    expected: str
+    observed: str
+    position: int
+    reason: str
+
+    def __str__(self) -> str:
+        return (f"{self.reason} at op #{self.position} ({self.location}): expected {self.expected}, "
+                f"observed {self.observed}")
+
+
+class Diverged(Exception):
+    """Raised inside the runner when the program leaves the path; carries the `Divergence`."""
+
+    def __init__(self, divergence: Divergence):
+        super().__init__(str(divergence))
+        self.divergence = divergence
+
+
+@dataclass(slots=True)
+class GradUnit:
+    """One recorded `tape.gradient` call: records [start, end) are its ops. `guard` holds the
+    refs of its target, sources and output gradients (flattened) and its unconnected-gradients
+    mode; `result` the refs of its flat results (None for a None gradient)."""
+    start: int
+    end: int
+    guard: tuple
+    result: tuple
+    feeds: tuple = ()   # slots first used inside the unit: TF-cached tensors, fed as recorded
+    structure: object = None   # the recorded result when it holds composites (IndexedSlices)
+
+
+def user_line(skip_internal: bool = True, frame=None) -> str:
+    """`file:line (function)` of the innermost frame outside Terra, TF and Keras."""
+    f = frame or sys._getframe(1)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not any(s in fn for s in ("/terra/", "/tensorflow/", "/keras/", "/site-packages/",
+                                     "<frozen", "/lib/python3")):
+            return f"{fn}:{f.f_lineno} ({f.f_code.co_name})"
+        f = f.f_back
+    return "<unknown>"
+
+
+# ------------------------------------------------------------------------------------ placeholders
+class SkipPlaceholder(Placeholder):
+    """A Placeholder that passes through tensor conversion while its iteration is skipped."""
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        owner = self.__dict__.get("_terra_owner")
+        if owner is not None and owner.skipping:  # the op is skipped too: hand it the placeholder
+            return self
+        return super().__tf_tensor__(dtype, name)
+
+
+def placeholder_ref(x, runner) -> Optional[OutputRef]:
+    """The OutputRef of `x` if it is a placeholder of `runner`'s current iteration."""
+    if isinstance(x, SkipPlaceholder) and x.__dict__.get("_terra_owner") is runner \
+            and not x._terra_bound:
+        return x.__dict__["_terra_ref"]
+    return None
+
+
+class _Resolver:
+    """Resolves a placeholder through the session (fetch channel, run output, or fallback)."""
+
+    __slots__ = ("iteration", "ref")
+
+    def __init__(self, iteration, ref):
+        self.iteration = iteration
+        self.ref = ref
+
+    def resolve(self):
+        return self.iteration.resolve(self.ref)
+
+
+# ------------------------------------------------------------------------------------ path data
+def _flat_refs(arg) -> list:
+    return list(arg) if isinstance(arg, tuple) else [arg]
+
+
+class PathView:
+    """What skip mode needs about one compiled trace, precomputed for fast checks."""
+
+    def __init__(self, trace: Trace, units: dict):
+        self.trace = trace
+        self.records = trace.records
+        self.units = units
+        self.n = len(trace.records)
+        self.flat_inputs = [tuple(r for a in rec.inputs for r in _flat_refs(a))
+                            for rec in trace.records]
+        self.fast_fallbacks = frozenset(trace.fast_fallbacks)
+        self.fallback_types = frozenset(trace.records[i].op_type for i in trace.fast_fallbacks)
+        self.attr_cache: dict = {}
+        self.single_output: dict = {}
+        self.feed_specs = [f.spec for f in trace.feeds]
+        self.feed_first_use = {}
+        for rec in trace.records:
+            for r in self.flat_inputs[rec.index]:
+                if isinstance(r, FeedRef):
+                    self.feed_first_use.setdefault(r.slot, rec.index)
+
+
+def _single_output(op_type: str) -> bool:
+    op_def = tfp.get_op_def(op_type)
+    if op_def is None or len(op_def.output_arg) != 1:
+        return False
+    a = op_def.output_arg[0]
+    return not (a.number_attr or a.type_list_attr)
+
+
+_single_cache: dict = {}
+_attr_types: dict = {}
+
+
+def _types_of(op_type):
+    t = _attr_types.get(op_type)
+    if t is None:
+        op_def = tfp.get_op_def(op_type)
+        t = _attr_types[op_type] = {a.name: a.type for a in op_def.attr} if op_def else {}
+    return t
+
+
+# ------------------------------------------------------------------------------------ the runner
+class PythonRunner(hook.Interceptor):
+    """Skip mode for one iteration on one path. `iteration` is the session's iteration object: it
+    owns the feed/fetch channels, and `iteration.fallback(divergence)` ends skip mode."""
+
+    def __init__(self, iteration, view: PathView):
+        self.iteration = iteration
+        self.view = view
+        self.pos = 0
+        self.skipping = True
+        self.placeholders: dict = {}   # (record, index) -> SkipPlaceholder
+        self.fed: dict = {}            # slot -> value put into its channel
+        self.fed_ids: dict = {}        # slot -> id of the object fed
+        self.born: dict = {}           # id(tensor) -> (tensor, python value), this iteration
+        self.fetch_log: list = []      # Fetch records of this iteration
+        self.fed_order: list = []      # slots in the order they were fed
+        self._raised = None            # op type whose fast path this runner refused last
+        self._frozen_cache: dict = {}
+
+    # ------------------------------------------------------------------ hook callbacks
+    def converted(self, value, dtype, tensor) -> None:
+        if self.skipping:
+            self.born[id(tensor)] = (tensor, value)
+
+    def op(self, op_type, inputs, attrs, route, run):
+        if not self.skipping:  # after a fallback the session routes ops to the recorder
+            return run()
+        mark = len(self.fed_order)
+        try:
+            return self._skip(op_type, inputs, attrs, route)
+        except Diverged as d:
+            self._rollback(mark)
+            if d.divergence.reason != "graph error":
+                tried = {id(self.iteration.path)}
+                while self.iteration.switch(d.divergence, tried=tried):
+                    try:
+                        return self._skip(op_type, inputs, attrs, route)
+                    except Diverged as d2:
+                        self._rollback(mark)
+                        d = d2
+            if d.divergence.reason == PAST_END:
+                self.iteration.finish_past_end(d.divergence)
+                if route != "fast" and isinstance(inputs, list):
+                    for i, v in enumerate(inputs):
+                        if isinstance(v, Placeholder):
+                            inputs[i] = v._terra_materialize()
+                return run()
+            recorder = self.iteration.fallback(d.divergence)
+            if route == "fallback" and self._raised == op_type:
+                recorder._fast_failed = op_type  # the record keeps its fast-path-first route
+            if route != "fast" and isinstance(inputs, list):
+                # converted inputs may be placeholders (passed through while skipping): the op
+                # now really runs, on their values
+                for i, v in enumerate(inputs):
+                    if isinstance(v, Placeholder):
+                        inputs[i] = v._terra_materialize()
+            return recorder.op(op_type, inputs, attrs, route, run)
+
+    # ------------------------------------------------------------------ matching
+    def _diverge(self, reason, expected, observed):
+        raise Diverged(Divergence(user_line(), str(expected), str(observed), self.pos, reason))
+
+    def _skip(self, op_type, inputs, attrs, route):
+        view, p = self.view, self.pos
+        if route == "fast" and p < view.n and view.records[p].route == "fallback" and \
+                p in view.fast_fallbacks and view.records[p].op_type == op_type:
+            self._raised = op_type
+            raise tfp.FallbackException()
+        if self.iteration.run_failed():
+            self._diverge("graph error", "no error", "the graph failed")
+        if p >= view.n:
+            self._diverge(PAST_END, "end of iteration", op_type)
+        rec = view.records[p]
+        # fast and slow routes of one op are the same op (which one TF takes depends on the
+        # inputs' Python types, e.g. a placeholder makes the C fast path bail out)
+        if route == "fast":
+            if rec.route == "function" or rec.op_type != op_type:
+                if op_type in view.fallback_types and self._fallback_ahead(op_type):
+                    self._raised = op_type
+                    raise tfp.FallbackException()  # the wrapper converts, then retries slowly
+                self._diverge("different op", rec.function or rec.op_type, op_type)
+            self._check_fast_attrs(rec, attrs, p)
+            for arg, e in zip(inputs, rec.inputs):
+                if isinstance(e, tuple):
+                    if not isinstance(arg, (list, tuple)) or len(arg) != len(e):
+                        self._diverge("different list input", e, type(arg).__name__)
+                    for v, r in zip(arg, e):
+                        self._match(v, r, rec)
+                else:
+                    self._match(arg, e, rec)
+        else:
+            want = rec.function if route == "function" else rec.op_type
+            if (rec.route == "function") != (route == "function") or want != op_type:
+                self._diverge("different op", rec.function or rec.op_type, op_type)
+            self._check_full_attrs(rec, attrs, p, route)
+            flat = view.flat_inputs[p]
+            if len(inputs) != len(flat):
+                self._diverge("different input count", len(flat), len(inputs))
+            for v, r in zip(inputs, flat):
+                self._match(v, r, rec)
+        self.pos = p + 1
+        outs = [self._placeholder(rec, j) for j in range(len(rec.outputs))]
+        if route == "fast":
+            if not outs:
+                return None
+            single = _single_cache.get(op_type)
+            if single is None:
+                single = _single_cache[op_type] = _single_output(op_type)
+            return outs[0] if single else outs
+        return outs
+
+    def _fallback_ahead(self, op_type) -> bool:
+        view, p = self.view, self.pos
+        for q in range(p, min(p + 6, view.n)):
+            if q in view.fast_fallbacks and view.records[q].op_type == op_type:
+                return True
+        return False
+
+    def _check_fast_attrs(self, rec, attrs, p):
+        cached = self.view.attr_cache.get(p)
+        if cached is not None:
+            try:
+                if cached == attrs:
+                    return
+            except Exception:  # noqa: BLE001 - arrays in attrs: compare the slow way
+                pass
+        types = _types_of(rec.op_type)
+        full = dict(rec.attrs)
+        for i in range(0, len(attrs), 2):
+            name, value = attrs[i], attrs[i + 1]
+            if value is None and types.get(name) != "shape":
+                continue
+            try:
+                frozen = freeze_attr(types[name], value)
+            except Exception:  # noqa: BLE001
+                self._diverge("unreadable attr", name, repr(value))
+            if full.get(name) != frozen:
+                self._diverge(f"different attr {name}", full.get(name), frozen)
+        self.view.attr_cache[p] = attrs
+
+    def _check_full_attrs(self, rec, attrs, p, route):
+        cached = self.view.attr_cache.get(p)
+        if cached is not None:
+            try:
+                if cached == attrs:
+                    return
+            except Exception:  # noqa: BLE001
+                pass
+        if route == "function":
+            pairs = tuple(sorted((attrs[i], attrs[i + 1]) for i in range(0, len(attrs), 2)))
+            if pairs != rec.attrs:
+                self._diverge("different function attrs", rec.attrs, pairs)
+        else:
+            self._check_fast_attrs(rec, attrs, p)
+        self.view.attr_cache[p] = attrs
+
+    def _frozen(self, v, dtype):
+        key = (type(v), v, dtype) if isinstance(v, (bool, int, float, str, bytes)) else None
+        if key is not None:
+            f = self._frozen_cache.get(key)
+            if f is None:
+                f = self._frozen_cache[key] = _frozen_value(v, dtype)
+            return f
+        return _frozen_value(v, dtype)
+
+    def _match(self, v, e, rec):
+        """Check one input value `v` against recorded ref `e` (feeding it when `e` is a feed)."""
+        if isinstance(v, SkipPlaceholder) and v.__dict__.get("_terra_owner") is self \
+                and not v._terra_bound:
+            if v.__dict__["_terra_ref"] != e:
+                self._diverge("different producer", e, v.__dict__["_terra_ref"])
+            return
+        if isinstance(v, Placeholder):  # from an earlier iteration: an external value now
+            v = v._terra_materialize()
+        if isinstance(v, tfp.EagerTensorBase):
+            if v.dtype == _RESOURCE:
+                if not (isinstance(e, VariableRef) and e.key == id(v)):
+                    self._diverge("different variable", e, "resource tensor")
+                return
+            born = self.born.get(id(v))
+            if born is not None and born[0] is v and (_is_python_value(born[1]) or isinstance(
+                    born[1], (np.ndarray, np.generic)) and isinstance(e, ConstRef)):
+                if isinstance(e, ConstRef):
+                    if self._frozen(born[1], e.dtype) != e.value or v.dtype.name != e.dtype:
+                        self._diverge("different constant", e, born[1])
+                    return
+            if isinstance(e, FeedRef):
+                self._feed(e.slot, v, v)
+                return
+            self._diverge("external tensor where the path has no feed", e, f"tensor {v.shape}")
+        if isinstance(v, tfp.BaseResourceVariable):
+            if not (isinstance(e, VariableRef) and e.key == id(v.handle)):
+                self._diverge("different variable", e, getattr(v, "name", "variable"))
+            return
+        if isinstance(v, (np.ndarray, np.generic)):
+            if isinstance(e, ConstRef):
+                if self._frozen(v, e.dtype) != e.value:
+                    self._diverge("different constant", e, "ndarray")
+                return
+            if isinstance(e, FeedRef):
+                self._feed(e.slot, v, v)
+                return
+            self._diverge("numpy value where the path has no feed", e, f"ndarray {v.shape}")
+        if _is_python_value(v):
+            if isinstance(e, ConstRef):
+                try:
+                    ok = self._frozen(v, e.dtype) == e.value
+                except Exception:  # noqa: BLE001
+                    ok = False
+                if not ok:
+                    self._diverge("different constant", e, repr(v)[:60])
+                return
+            if isinstance(e, FeedRef):
+                self._feed(e.slot, v, v)
+                return
+            self._diverge("Python value where the path has no feed", e, repr(v)[:60])
+        handle = getattr(v, "handle", None)  # keras.Variable and friends
+        if handle is not None and isinstance(e, VariableRef) and e.key == id(handle):
+            return
+        self._diverge("unsupported input", e, type(v).__name__)
+
+    def _feed(self, slot, obj, value):
+        prev = self.fed_ids.get(slot)
+        if prev is not None:
+            if prev != id(obj):
+                self._diverge("a feed slot got two different values", f"feed{slot}", "new value")
+            return
+        spec = self.view.feed_specs[slot]
+        if isinstance(value, tfp.EagerTensorBase):
+            dtype, shape = value.dtype.name, tuple(value.shape.as_list())
+        else:
+            a = np.asarray(value)
+            dtype = spec.dtype if not isinstance(value, np.ndarray) else None
+            if dtype is None:
+                dtype = _np_dtype_name(a.dtype, spec.dtype)
+            shape = tuple(a.shape)
+        if dtype != spec.dtype or shape != spec.shape:
+            self._diverge("feed with a new signature", spec, f"{dtype}{list(shape)}")
+        self.fed_ids[slot] = id(obj)
+        self.fed[slot] = obj
+        self.fed_order.append(slot)
+        self.iteration.put_feed(slot, value)
+
+    def _rollback(self, mark):
+        """Forget feeds of an op that diverged half-way (its channel is drained or replaced)."""
+        while len(self.fed_order) > mark:
+            slot = self.fed_order.pop()
+            self.fed.pop(slot, None)
+            self.fed_ids.pop(slot, None)
+
+    def _placeholder(self, rec, j):
+        key = (rec.index, j)
+        ph = self.placeholders.get(key)
+        if ph is None:
+            spec = rec.outputs[j]
+            ref = OutputRef(rec.index, j)
+            ph = SkipPlaceholder.create(spec.dtype, spec.shape, _Resolver(self.iteration, ref))
+            d = ph.__dict__
+            d["_terra_owner"] = self
+            d["_terra_ref"] = ref
+            self.placeholders[key] = ph
+        return ph
+
+    # ------------------------------------------------------------------ units
+    def gradient_unit(self, guard) -> Any:
+        """Skip a recorded `tape.gradient` call whose guard is `guard`; returns flat results."""
+        unit = self.view.units.get(self.pos)
+        if unit is None or unit.guard != guard:
+            try:
+                if unit is None:
+                    self._diverge("gradient call where the path has none", "an op", "tape.gradient")
+                self._diverge("gradient of different tensors", unit.guard, guard)
+            except Diverged as d:
+                tried = {id(self.iteration.path)}
+                while self.iteration.switch(d.divergence, tried=tried):
+                    u = self.view.units.get(self.pos)
+                    if u is not None and u.guard == guard:
+                        break
+                else:
+                    raise
+            unit = self.view.units.get(self.pos)
+            if unit is None or unit.guard != guard:
+                self._diverge("gradient call where the path has none", "an op", "tape.gradient")
+        self.last_unit = unit
+        for slot in unit.feeds:
+            obj = self.view.trace.feed_values[slot]
+            self._feed(slot, obj, obj)
+        self.pos = unit.end
+        out = []
+        for r in unit.result:
+            if r is None:
+                out.append(None)
+            else:
+                out.append(self._placeholder(self.view.records[r.record], r.index))
+        return out
+
+    def ref_of(self, x):
+        """Ref of a tensor or variable for unit guards (None if it has none)."""
+        r = placeholder_ref(x, self)
+        if r is not None:
+            return r
+        return _variable_ref(x)
+
+    def log_fetch(self, ref, how="numpy"):
+        self.fetch_log.append(Fetch(ref, self.pos, how))
+
+
+_RESOURCE = None
+
+
+def _init_resource():
+    global _RESOURCE
+    import tensorflow as tf
+    _RESOURCE = tf.resource
+
+
+_init_resource()
+
+
+def _np_dtype_name(np_dtype, wanted):
+    import tensorflow as tf
+    name = tf.as_dtype(np_dtype).name
+    # a float64 array fed to a float32 slot converts the same way the recorded op converted it
+    return wanted if name != wanted and tf.as_dtype(wanted).is_floating and \
+        tf.as_dtype(name).is_floating else name
+
+
+def _variable_ref(x) -> Optional[VariableRef]:
+    handle = getattr(x, "handle", None) if not isinstance(x, tfp.EagerTensorBase) else None
+    if handle is not None and isinstance(handle, tfp.EagerTensorBase):
+        return VariableRef(id(handle))
+    return None
+
+
+__all__ = ["PythonRunner", "PathView", "Divergence", "Diverged", "GradUnit", "SkipPlaceholder",
+           "placeholder_ref", "user_line"]

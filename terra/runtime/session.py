@@ -1,0 +1,1134 @@
+"""The iteration manager: phases, traces, graph builds, co-execution, fallbacks, stats, explain.
+
+An *iteration* runs from one `TerraGradientTape.__enter__` to the next `__enter__` at the same
+program site (ARCHITECTURE.md §2); a tape entered at another site while the iteration's frame is
+still running (a GAN's second tape, a nested tape) belongs to the current iteration.
+
+Per site the session goes through phases:
+- tracing: the iteration runs eagerly under a Recorder; the trace is filed under its *path
+  signature* (records, feed specs, coarse units), after generalizing constants that changed
+  between traces of the same path into feeds;
+- co-execution: once a path was traced twice, its graph is generated and the next iterations run
+  it on the GraphRunner while the PythonRunner skips the user's ops along the same path;
+- eager: a site that needed more than `max_traces` traces or `max_fallbacks` fallbacks, or whose
+  traces cannot be compiled, stays eager (one warning, reason in `explain()`).
+
+Graph generation here compiles one path (a straight-line trace) into one graph with feed and fetch
+channels; divergence from the path falls back (terra/runtime/fallback.py) and the new trace
+becomes another path. Lowering a whole TraceGraph with switch_case/while_loop is the compiler's
+`lower` pass; this module uses a path per graph until it is wired in.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import tensorflow as tf
+
+from terra import _tf_private as tfp
+from terra.compiler import replay
+from terra.config import CONFIG
+import numpy as np
+
+from terra.ir.records import (ConstRef, Feed, FeedRef, OutputRef, TensorSpec, Trace,
+                              VariableRef, replace)
+from terra.runtime.channels import FeedChannel, FeedFetchOrder, FetchChannel
+from terra.runtime.errors import TerraRuntimeError
+from terra.runtime.fallback import (ContinuingRecorder, EagerReplay, Snapshot, bind_placeholders,
+                                    written_variables)
+from terra.runtime.graph_runner import GraphRunner, op_node_name
+from terra.runtime.placeholders import Placeholder
+from terra.runtime.python_runner import (Diverged, Divergence, GradUnit, PathView, PythonRunner,
+                                         placeholder_ref, user_line)
+from terra.tracing import hook
+
+
+# ------------------------------------------------------------------------------------ hook control
+def _set_active(interceptor) -> None:
+    """Route this thread's ops to `interceptor` (None: nobody)."""
+    hook.deactivate((interceptor, threading.get_ident() if interceptor is not None else None))
+
+
+# ------------------------------------------------------------------------------------ path graphs
+class _ChannelBuilder(replay._Builder):
+    """Replay's builder with feeds dequeued from channels and fetches enqueued at their points."""
+
+    def __init__(self, trace, graph, order):
+        super().__init__(trace, _LazyFeeds(graph, order))
+        self.graph = graph
+        self.order = order
+
+    def _emit_fetches(self, at):
+        for ref in self.graph.fetch_at.get(at, ()):
+            self.order.fetch(self.graph.fetch_channels[ref], self.env[(ref.record, ref.index)])
+
+    def run(self):
+        for rec in self.trace.records:
+            self._emit_fetches(rec.index)
+            with tf.name_scope(op_node_name(rec.index)):
+                outs = self.function(rec) if rec.route == "function" else self.op(rec)
+            for j, t in enumerate(outs or ()):
+                self.env[(rec.index, j)] = t
+        self._emit_fetches(len(self.trace.records))
+        return self.env
+
+
+class _LazyFeeds:
+    """`feeds[slot]` dequeues the slot's channel on first use (in trace order)."""
+
+    def __init__(self, graph, order):
+        self.graph, self.order, self.values = graph, order, {}
+
+    def __getitem__(self, slot):
+        v = self.values.get(slot)
+        if v is None:
+            v = self.values[slot] = self.order.feed(self.graph.feed_channels[slot])
+        return v
+
+
+class PathGraph:
+    """One generated graph for one path: feed channels per feed slot, fetch channels per fetched
+    output, and the path's live-out values as the function's outputs."""
+
+    def __init__(self, path: "Path"):
+        trace = path.trace
+        self.path = path
+        self.feed_channels = [FeedChannel(f.spec.dtype, f.spec.shape, name=f"terra_feed{f.slot}")
+                              for f in trace.feeds]
+        self.fetch_at: dict = {}
+        self.fetch_channels: dict = {}
+        for ref, after in sorted(path.fetch_points.items(), key=lambda kv: kv[1]):
+            spec = trace.records[ref.record].outputs[ref.index]
+            self.fetch_channels[ref] = FetchChannel(spec.dtype, spec.shape,
+                                                    name=f"terra_fetch{ref.record}_{ref.index}")
+            self.fetch_at.setdefault(max(after, ref.record + 1), []).append(ref)
+        self.liveouts = tuple(sorted(path.liveouts, key=lambda r: (r.record, r.index)))
+        liveouts = self.liveouts
+
+        def body():
+            order = FeedFetchOrder()
+            env = _ChannelBuilder(trace, self, order).run()
+            return [env[(r.record, r.index)] for r in liveouts]
+
+        self.concrete = tf.function(body, autograph=False).get_concrete_function()
+
+    def drain(self, fetched=None) -> None:
+        """Empty the channels after a cancelled run; after a finished one (`fetched` given) the
+        feeds were all consumed and only the fetches Python did not take are left."""
+        if fetched is None:
+            for ch in self.feed_channels:
+                if ch.size():
+                    ch.drain()
+        for ref, ch in self.fetch_channels.items():
+            if fetched is None or ref not in fetched:
+                if ch.size():
+                    ch.drain()
+
+    @property
+    def stall_seconds(self) -> float:
+        return sum(ch.stall_seconds for ch in self.feed_channels)
+
+
+class _Runner(GraphRunner):
+    """GraphRunner whose worker thread runs graphs with or without Grappler (config.grappler)."""
+
+    def _worker(self):
+        if CONFIG.grappler:
+            return super()._worker()
+        with tfp.function_call_config(tfp.disable_grappler):
+            return super()._worker()
+
+
+# ------------------------------------------------------------------------------------ data
+def _rec_sig(rec):
+    return (rec.op_type, rec.attrs, rec.inputs, rec.route == "function", rec.function, rec.outputs)
+
+
+def path_signature(trace: Trace, units: dict) -> tuple:
+    """What two traces must share to run on one generated graph."""
+    return (tuple(_rec_sig(r) for r in trace.records),
+            tuple(f.spec for f in trace.feeds),
+            tuple(sorted((u.start, u.end) for u in units.values())))
+
+
+def generalize(base: Trace, new: Trace):
+    """`base` with every small constant whose value differs in `new` turned into a feed (a Python
+    value the program changes, e.g. a mutated keep_prob); None if the traces differ otherwise or
+    in nothing. Feed slots are renumbered in first-use order; values are `new`'s."""
+    if len(base.records) != len(new.records):
+        return None
+    feeds, values, records = [], [], []
+    by_base, by_new, by_const = {}, {}, {}
+    changed = False
+
+    def slot_for(key_map, key, spec, source, value):
+        s = key_map.get(key)
+        if s is None:
+            s = key_map[key] = len(feeds)
+            feeds.append(Feed(s, spec, source))
+            values.append(value)
+        return s
+
+    def merge_ref(b, n):
+        nonlocal changed
+        if isinstance(b, FeedRef) and isinstance(n, FeedRef):
+            spec = base.feeds[b.slot].spec
+            if spec != new.feeds[n.slot].spec:
+                return None
+            s1 = slot_for(by_base, b.slot, spec, new.feeds[n.slot].source, new.feed_values[n.slot])
+            if by_new.setdefault(n.slot, s1) != s1:
+                return None
+            return FeedRef(s1)
+        if b == n:
+            return b
+        if isinstance(n, ConstRef) and n.dtype != "string":
+            shape = tuple(np.shape(n.value))
+            if isinstance(b, ConstRef) and b.dtype == n.dtype and tuple(np.shape(b.value)) == shape:
+                changed = True
+                # equal value pairs share a slot (one Python value used by forward and backward)
+                return FeedRef(slot_for(by_const, (b.value, n.value, n.dtype),
+                                        TensorSpec(n.dtype, shape), "python-constant", n.value))
+            if isinstance(b, FeedRef) and base.feeds[b.slot].source == "python-constant" and \
+                    base.feeds[b.slot].spec == TensorSpec(n.dtype, shape):
+                sl = slot_for(by_base, b.slot, base.feeds[b.slot].spec, "python-constant", n.value)
+                return FeedRef(sl) if values[sl] == n.value else None
+        return None
+
+    for rb, rn in zip(base.records, new.records):
+        if (rb.op_type, rb.attrs, rb.route == "function", rb.function, rb.outputs) != \
+                (rn.op_type, rn.attrs, rn.route == "function", rn.function, rn.outputs):
+            return None
+        inputs = []
+        for ab, an in zip(rb.inputs, rn.inputs):
+            if isinstance(ab, tuple) or isinstance(an, tuple):
+                if not (isinstance(ab, tuple) and isinstance(an, tuple) and len(ab) == len(an)):
+                    return None
+                m = tuple(merge_ref(x, y) for x, y in zip(ab, an))
+                if any(x is None for x in m):
+                    return None
+                inputs.append(m)
+            else:
+                m = merge_ref(ab, an)
+                if m is None:
+                    return None
+                inputs.append(m)
+        records.append(replace(rb, inputs=tuple(inputs)))
+    if not changed:
+        return None
+    return Trace(new.site, records, feeds, values, list(new.fetches), dict(new.variables),
+                 list(new.unsupported), dict(new.functions), list(new.unseeded_random),
+                 list(new.fast_fallbacks))
+
+
+@dataclass(eq=False)
+class Path:
+    signature: tuple
+    trace: Trace
+    units: dict
+    liveouts: set = field(default_factory=set)
+    fetch_points: dict = field(default_factory=dict)   # OutputRef -> earliest after_record
+    count: int = 0
+    hits: int = 0
+    graph: PathGraph | None = None
+    built_for: tuple = ()
+    view: PythonRunner | None = None
+    snapshot: Snapshot | None = None
+    id: int = 0
+    verified: set = field(default_factory=set)   # units whose feeds were seen identical twice
+
+    def usable_units(self) -> dict:
+        return {s: u for s, u in self.units.items() if not u.feeds or s in self.verified}
+
+    def absorb(self, trace: Trace, liveouts, fetches, seen_objects=None) -> None:
+        for u in self.units.values():  # unit feeds must be the very same (cached) tensors
+            if u.start not in self.verified and (self.count and all(
+                    trace.feed_values[sl] is self.trace.feed_values[sl] for sl in u.feeds) or
+                    seen_objects is not None and all(
+                    seen_objects.get(id(trace.feed_values[sl])) is trace.feed_values[sl]
+                    for sl in u.feeds)):
+                self.verified.add(u.start)
+                self.view = None
+        self.count += 1
+        self.liveouts |= set(liveouts)
+        for f in fetches:
+            if f.ref.record < len(self.trace.records):
+                prev = self.fetch_points.get(f.ref)
+                self.fetch_points[f.ref] = f.after_record if prev is None else min(prev, f.after_record)
+
+    @property
+    def stale(self) -> bool:
+        return self.graph is None or self.built_for != (frozenset(self.liveouts),
+                                                         frozenset(self.fetch_points))
+
+
+@dataclass(eq=False)
+class Site:
+    key: tuple
+    label: str
+    paths: dict = field(default_factory=dict)
+    traces: int = 0
+    fallbacks: int = 0
+    eager_reason: str | None = None
+    last_path: Path | None = None
+    phase: str = "tracing"
+    seen_objects: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of `terra.explain()`."""
+    kind: str      # trace | graph_build | fallback | eager
+    site: str
+    iteration: int
+    detail: str
+    where: str
+
+    def __str__(self):
+        return f"[{self.kind}] {self.site} iteration {self.iteration}: {self.detail} ({self.where})"
+
+
+# ------------------------------------------------------------------------------------ iteration
+class Iteration:
+    """One iteration of one site; `mode` is tracing, skip (co-execution), eager or done."""
+
+    def __init__(self, session, site, frame, number):
+        self.session = session
+        self.site = site
+        self.frame = frame
+        self.number = number
+        self.mode = "eager"
+        self.recorder: ContinuingRecorder | None = None
+        self.runner: PythonRunner | None = None
+        self.path: Path | None = None
+        self.run = None
+        self.snap = None
+        self.fetched: set = set()
+        self.outputs: dict = {}
+        self.tapes: list = []
+        self.tape_spans: list = []   # [tape, first op, end op or None]
+        self.t0 = time.perf_counter()
+        self.stall = 0.0
+        self.replayed: dict = {}
+
+    # ---------------------------------------------------------------- co-execution
+    def position(self) -> int:
+        if self.mode == "skip":
+            return self.runner.pos
+        if self.mode == "tracing" and self.recorder is not None:
+            return len(self.recorder.trace.records)
+        return 0
+
+    def add_tape(self, tape) -> None:
+        self.tapes.append(tape)
+        self.tape_spans.append([tape, self.position(), None])
+
+    def tape_exited(self, tape) -> None:
+        for span in self.tape_spans:
+            if span[0] is tape and span[2] is None:
+                span[2] = self.position()
+
+    def frame_alive(self) -> bool:
+        f = sys._getframe(1)
+        target = self.frame
+        while f is not None:
+            if f is target:
+                return True
+            f = f.f_back
+        return False
+
+    def put_feed(self, slot, value) -> None:
+        ch = self.path.graph.feed_channels[slot]
+        ch.put(value._terra_materialize() if isinstance(value, Placeholder) else value)
+
+    def run_failed(self) -> bool:
+        r = self.run
+        return r is not None and r.state == "error"
+
+    def start_graph(self) -> None:
+        if self.run is None:
+            self.run = self.session.runner.start(self.path.graph.concrete)
+
+    def resolve(self, ref: OutputRef):
+        """Value of a placeholder of this iteration (a Python sync point)."""
+        s = self.session
+        with s.internal():
+            if self.mode == "skip":
+                ch = self.path.graph.fetch_channels.get(ref)
+                if ch is not None and ref not in self.fetched:
+                    self.start_graph()
+                    t = time.perf_counter()
+                    try:
+                        v = s.runner.fetch(ch, timeout=CONFIG.timeout_s)
+                    except tf.errors.OpError:
+                        v = None
+                    finally:
+                        dt = time.perf_counter() - t
+                        self.stall += dt
+                        s.python_stall_s += dt
+                    if v is not None:
+                        self.fetched.add(ref)
+                        self.runner.log_fetch(ref)
+                        return v
+                    self.fallback(Divergence(user_line(), "a value", "a graph error",
+                                             self.runner.pos, "graph error"))
+                else:
+                    self.runner.log_fetch(ref)  # the next graph fetches it
+                    self.fallback(Divergence(user_line(), "no fetch", f"fetch of %{ref.record}",
+                                             self.runner.pos, "value needed by Python that the "
+                                             "graph does not fetch"))
+                return self.replayed[(ref.record, ref.index)]
+            v = self.outputs.get(ref)
+            if v is None:
+                v = self.replayed.get((ref.record, ref.index))
+            if v is None:
+                raise TerraRuntimeError(f"terra: the value of op #{ref.record} of iteration "
+                                        f"{self.number} at {self.site.label} was not kept")
+            return v
+
+    def switch(self, d: Divergence, at_end: bool = False, tried=None) -> bool:
+        """Restart the iteration on another compiled path that agrees with the current one on
+        every op matched so far (a branch both paths were traced through): cancel the graph,
+        restore the variables, start the other graph and feed it what Python fed so far.
+        Placeholders keep their refs (the prefixes are equal). False if there is none."""
+        runner, cur, pos = self.runner, self.path, self.runner.pos
+        prefix = cur.signature[0][:pos]
+        fed_specs = [cur.trace.feeds[sl].spec for sl in sorted(runner.fed)]
+        tried = set() if tried is None else tried
+        tried.add(id(cur))
+        for q in self.site.paths.values():
+            if id(q) in tried or q.graph is None or q.stale or q.view is None:
+                continue
+            if at_end and q.view.n != pos or not at_end and q.view.n <= pos:
+                continue
+            if q.signature[0][:pos] != prefix:
+                continue
+            if [q.trace.feeds[sl].spec for sl in sorted(runner.fed) if sl < len(q.trace.feeds)] \
+                    != fed_specs:
+                continue
+            if {u.start for u in cur.units.values() if u.end <= pos} != \
+                    {u.start for u in q.units.values() if u.end <= pos}:
+                continue
+            tried.add(id(q))
+            s = self.session
+            with s.internal():
+                if self.run is not None:
+                    if not self.run.done:
+                        s.runner.cancel(timeout=CONFIG.timeout_s)
+                    else:
+                        try:
+                            s.runner.result(timeout=CONFIG.timeout_s)
+                        except Exception:  # noqa: BLE001 - the new path recomputes
+                            pass
+                    cur.graph.drain()
+                    cur.snapshot.restore(self.snap)
+                self.run = None
+                self.path = q
+                self.snap = q.snapshot.take()
+                runner.view = q.view
+                for slot in runner.fed_order:
+                    self.put_feed(slot, runner.fed[slot])
+                self.fetched = set()
+                if CONFIG.coexecution or self.fetched:
+                    self.start_graph()
+            s.switches += 1
+            s._event("switch", self.site, self.number, f"p{cur.id} -> p{q.id} at op #{pos}: "
+                     f"{d.reason}", d.location)
+            return True
+        return False
+
+    def fallback(self, d: Divergence):
+        """Leave skip mode (see terra/runtime/fallback.py); returns the recorder now active."""
+        s = self.session
+        runner = self.runner
+        runner.skipping = False
+        s.count_fallback(self, d)
+        with s.internal():
+            if self.run is not None:
+                if not self.run.done:
+                    s.runner.cancel(timeout=CONFIG.timeout_s)
+                else:
+                    try:
+                        s.runner.result(timeout=CONFIG.timeout_s)
+                    except Exception:  # noqa: BLE001 - the eager replay reports it
+                        pass
+                self.path.graph.drain()
+                self.path.snapshot.restore(self.snap)
+            self.mode = "done"  # until the replay succeeded
+            watches: dict = {}
+            pre_watch: dict = {}
+            for tape in self.tapes:
+                now, later = tape._terra_rewatch(
+                    lambda ph: (lambda r: None if r is None else (r.record, r.index))(
+                        placeholder_ref(ph, runner)))
+                pre_watch[tape] = now
+                for key in later:
+                    watches.setdefault(key, []).append(tape)
+            replay = EagerReplay(self.path.trace, runner.fed, self.tape_spans, watches, pre_watch)
+            env = replay.run(runner.pos)
+            self.replayed = env
+            bind_placeholders(runner.placeholders, env)
+            rec = ContinuingRecorder(self.site.label, CONFIG.max_trace_ops)
+            rec.seed(self.path.trace, runner.pos, runner.fed, env, runner.placeholders,
+                     self.path.units, runner.fetch_log, replay, runner.born)
+            runner.placeholders = {}
+            _set_active(None)
+            rec.start(self.frame)
+            _set_active(None)  # internal() hands ops to the recorder when Terra's work is done
+            rec._keep = None
+            self.recorder = rec
+            self.mode = "tracing"
+        return rec
+
+    # ---------------------------------------------------------------- end
+    def finish_past_end(self, d: Divergence) -> None:
+        """The program issued an op after the last op of the path (typically: the training loop
+        is over): end the iteration here; that op and the next ones run eagerly, outside any
+        iteration, until the next tape."""
+        s = self.session
+        s._event("end", self.site, self.number, f"iteration ended by {d.observed} after the "
+                 f"last op of the path; following ops run eagerly", d.location)
+        with s.internal():
+            self.finish()
+
+    def finish(self) -> None:
+        """End the iteration (the next __enter__, reset, or leaving the site)."""
+        s = self.session
+        if self.mode == "skip":
+            if self.runner.pos < self.path.view.n and not self.switch(
+                    Divergence(user_line(), "", "", self.runner.pos, "iteration ended"), True):
+                self.fallback(Divergence(user_line(), f"{self.path.view.n} ops",
+                                         f"{self.runner.pos} ops", self.runner.pos,
+                                         "iteration ended early"))
+            else:
+                self._finish_skip()
+        if self.mode == "tracing":
+            self.replayed = {}  # bound placeholders keep what the program still holds
+            s.finish_trace(self)
+        if self.mode == "skip":
+            s.python_exec_s += time.perf_counter() - self.t0 - self.stall
+            self.path.hits += 1
+            self.site.last_path = self.path
+        self.mode = "done"
+        _set_active(None)
+
+    def _finish_skip(self) -> None:
+        s = self.session
+        with s.internal():
+            self.start_graph()
+            t = time.perf_counter()
+            try:
+                outs = s.runner.result(timeout=CONFIG.timeout_s)
+            except tf.errors.OpError:
+                outs = None
+            finally:
+                dt = time.perf_counter() - t
+                self.stall += dt
+                s.python_stall_s += dt
+            if outs is None:
+                self.fallback(Divergence(user_line(), "a value", "a graph error",
+                                         self.runner.pos, "graph error"))
+                return
+            self.outputs = dict(zip(self.path.graph.liveouts, outs))
+            self.path.graph.drain(self.fetched)
+            missing = _kept_unresolved(self.runner.placeholders, self.outputs)
+            if missing:
+                self.fallback(Divergence(user_line(), "values kept by the graph",
+                                         f"%{missing[0].record} kept by the program",
+                                         self.runner.pos, "value kept past the iteration"))
+                return
+            self.runner.placeholders = {}
+
+
+def _kept_unresolved(placeholders: dict, outputs: dict) -> list:
+    """Refs of placeholders the program still holds whose value neither Python fetched nor the
+    graph returned."""
+    d = {"probe": object()}
+    base = None
+    for _, v in d.items():
+        base = sys.getrefcount(v)
+    missing = []
+    for key, ph in placeholders.items():
+        if sys.getrefcount(ph) > base and not ph.is_materialized:
+            ref = OutputRef(*key)
+            if ref not in outputs:
+                missing.append(ref)
+    return missing
+
+
+def _liveouts(recorder) -> set:
+    """Refs of recorded tensors the program still holds at the end of the iteration."""
+    d = {0: (object(), None)}
+    base = None
+    for t, _ in d.values():
+        base = sys.getrefcount(t)
+    out = set()
+    for t, ref in recorder._produced.values():
+        if sys.getrefcount(t) > base:
+            out.add(ref)
+    return out
+
+
+# ------------------------------------------------------------------------------------ session
+class Session:
+    """Process-wide state (one user thread is co-executed at a time)."""
+
+    def __init__(self):
+        self.sites: dict = {}
+        self.iteration: Iteration | None = None
+        self.events: list = []
+        self.traces = 0
+        self.fallbacks = 0
+        self.graph_builds = 0
+        self.switches = 0
+        self.python_exec_s = 0.0
+        self.python_stall_s = 0.0
+        self.iterations = 0
+        self._installed = False
+        self._graphs: list = []
+        self.runner = _Runner(error_context=self._error_context)
+        self._warned: set = set()
+        self._depth = 0
+        self._layer_depth = 0
+
+    # ---------------------------------------------------------------- helpers
+    @contextlib.contextmanager
+    def internal(self):
+        """Run Terra's own TF calls without interception; afterwards route ops to whatever the
+        current iteration needs (it may have changed inside)."""
+        self._depth += 1
+        _set_active(None)
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth:
+                _set_active(self._interceptor())
+
+    def _interceptor(self):
+        it = self.iteration
+        if it is None:
+            return None
+        if it.mode == "skip":
+            return it.runner
+        if it.mode == "tracing" and it.recorder is not None and it.recorder.recording:
+            return it.recorder
+        return None
+
+    def _error_context(self, index):
+        it = self.iteration
+        if it is None or it.path is None or index >= len(it.path.trace.records):
+            return None
+        rec = it.path.trace.records[index]
+        return f"terra: raised by op #{index} {rec.function or rec.op_type} recorded at {rec.location!r}"
+
+    def _event(self, kind, site, it_number, detail, where=""):
+        e = Event(kind, site.label, it_number, detail, where or "")
+        self.events.append(e)
+        if CONFIG.verbose:
+            print(f"terra: {e}")
+
+    def count_fallback(self, it, d: Divergence) -> None:
+        self.fallbacks += 1
+        it.site.fallbacks += 1
+        self._event("fallback", it.site, it.number, f"{d.reason}: expected {d.expected}, "
+                    f"observed {d.observed} (op #{d.position})", d.location)
+
+    def _ensure_hook(self):
+        if not self._installed:
+            hook.install()
+            self._installed = True
+            _install_optimizer_unit()
+
+    # ---------------------------------------------------------------- tapes
+    def tape_enter(self, tape, frame) -> None:
+        if not CONFIG.enabled:
+            return
+        key = (frame.f_code, frame.f_lasti)
+        it = self.iteration
+        if it is not None and it.mode != "done":
+            if key != it.site.key and it.frame_alive():
+                it.add_tape(tape)
+                return
+            with self.internal():
+                it.finish()
+        site = self.sites.get(key)
+        if site is None:
+            label = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+            site = self.sites[key] = Site(key, label)
+        self._begin(site, frame, tape)
+
+    def _begin(self, site, frame, tape) -> None:
+        self._ensure_hook()
+        _set_active(None)
+        self.iterations += 1
+        it = Iteration(self, site, frame, self.iterations)
+        it.add_tape(tape)
+        self.iteration = it
+        if site.eager_reason is not None:
+            site.phase = "eager"
+            it.mode = "eager"
+            return
+        path = self._predict(site)
+        if path is not None:
+            site.phase = "coexecution"
+            it.mode = "skip"
+            it.path = path
+            it.snap = path.snapshot.take()
+            it.runner = PythonRunner(it, path.view)
+            if CONFIG.coexecution:
+                it.start_graph()
+            _set_active(it.runner)
+            return
+        site.phase = "tracing"
+        it.mode = "tracing"
+        rec = ContinuingRecorder(site.label, CONFIG.max_trace_ops)
+        rec.start(frame)
+        it.recorder = rec
+
+    def _predict(self, site):
+        p = site.last_path
+        if p is not None and p.graph is not None and not p.stale:
+            return p
+        for p in reversed(list(site.paths.values())):
+            if p.graph is not None and not p.stale:
+                return p
+        return None
+
+    def tape_exit(self, tape, exc_type) -> None:
+        it = self.iteration
+        if it is None:
+            return
+        if tape in it.tapes:
+            it.tape_exited(tape)
+        if exc_type is None or it.mode != "skip":
+            return
+        it.fallback(Divergence(user_line(), "no exception", exc_type.__name__, it.runner.pos,
+                               "exception in the iteration"))
+
+    # ---------------------------------------------------------------- gradient unit
+    def guard_ref(self, it, x):
+        if x is None:
+            return None
+        if it.mode == "skip":
+            r = placeholder_ref(x, it.runner)
+            if r is not None:
+                return r
+            if isinstance(x, Placeholder):
+                x = x._terra_materialize()
+            v = _var_ref(x)
+            if v is not None:
+                return v
+            for slot, oid in it.runner.fed_ids.items():
+                if oid == id(x):
+                    return FeedRef(slot)
+            return ("external", id(x))
+        rec = it.recorder
+        r = rec.ref_of(x)
+        if r is not None:
+            return r
+        v = _var_ref(x)
+        if v is not None:
+            return v
+        if isinstance(x, Placeholder):
+            x = x._terra_materialize()
+        e = rec._feeds.get(id(x))
+        if e is not None and e[0] is x:
+            return e[1]
+        return ("external", id(x))
+
+    def gradient(self, tape, target, sources, output_gradients, unconnected_gradients):
+        base = tf.GradientTape.gradient
+        it = self.iteration
+        if it is None or it.mode not in ("skip", "tracing") or tape not in it.tapes:
+            return base(tape, _real(target), _real(sources), _real(output_gradients),
+                        unconnected_gradients)
+        flat_args = (tf.nest.flatten(target) + ["|"] + tf.nest.flatten(sources) + ["|"] +
+                     tf.nest.flatten(output_gradients) + ["|"] + list(tape._terra_watched))
+        if it.mode == "skip":
+            guard = tuple(a if isinstance(a, str) else self.guard_ref(it, a) for a in flat_args) + \
+                (str(unconnected_gradients), tape._watch_accessed_variables)
+            try:
+                with self.internal():
+                    flat = it.runner.gradient_unit(guard)
+                    unit = it.runner.last_unit
+                if unit.structure is not None:
+                    return tf.nest.pack_sequence_as(unit.structure, flat, expand_composites=True)
+                return tf.nest.pack_sequence_as(sources, flat)
+            except Diverged as d:
+                it.fallback(d.divergence)
+        rec = it.recorder
+        target, sources, output_gradients = (_real(target), _real(sources),
+                                             _real(output_gradients))
+        guard = tuple(a if isinstance(a, str) else self.guard_ref(it, a) for a in flat_args) + \
+            (str(unconnected_gradients), tape._watch_accessed_variables)
+        start = len(rec.trace.records)
+        rec.in_unit = True
+        try:
+            result = base(tape, target, sources, output_gradients, unconnected_gradients)
+        finally:
+            rec.in_unit = False
+        end = len(rec.trace.records)
+        flat = tf.nest.flatten(result, expand_composites=True)
+        composite = len(flat) != len(tf.nest.flatten(result))
+        refs = []
+        usable = not any(isinstance(g, tuple) for g in guard[:-2] if g is not None)
+        for g in flat:
+            if g is None:
+                refs.append(None)
+                continue
+            r = rec.ref_of(g) if isinstance(g, tfp.EagerTensorBase) else None
+            if r is None:
+                usable = False
+            refs.append(r)
+        if usable and not rec.too_long:
+            rec.units[start] = GradUnit(start, end, guard, tuple(refs),
+                                        structure=result if composite else None)
+        return result
+
+    def apply_gradients(self, opt, original, grads_and_vars):
+        """`optimizer.apply_gradients` as one coarse unit (guarded on the optimizer object, its
+        plain Python settings, the gradients' producers and the variables)."""
+        it = self.iteration
+        pairs = list(grads_and_vars)
+        if it is None or it.mode not in ("skip", "tracing") or not getattr(opt, "built", False):
+            return original(opt, pairs)
+        settings = tuple((k, v) for k, v in vars(opt).items()
+                         if isinstance(v, (bool, int, float, str, type(None))))
+        flat = tf.nest.flatten([g for g, _ in pairs], expand_composites=True) + \
+            ["|"] + [v for _, v in pairs]
+        if it.mode == "skip":
+            guard = (id(opt), settings) + tuple(
+                x if isinstance(x, str) else self.guard_ref(it, x) for x in flat)
+            try:
+                with self.internal():
+                    it.runner.gradient_unit(guard)
+                return opt.iterations
+            except Diverged as d:
+                it.fallback(d.divergence)
+        rec = it.recorder
+        pairs = [(_real(g), v) for g, v in pairs]
+        flat = [x._terra_materialize() if isinstance(x, Placeholder) else x for x in flat]
+        guard = (id(opt), settings) + tuple(
+            x if isinstance(x, str) else self.guard_ref(it, x) for x in flat)
+        start = len(rec.trace.records)
+        rec.in_unit = True
+        try:
+            result = original(opt, pairs)
+        finally:
+            rec.in_unit = False
+        usable = not any(isinstance(g, tuple) for g in guard[2:] if g is not None)
+        if usable and not rec.too_long:
+            rec.units[start] = GradUnit(start, len(rec.trace.records), guard, ())
+        return result
+
+    def layer_call(self, layer, original, args, kwargs):
+        """A built-in Keras layer call as one coarse unit (guarded on the layer object, its plain
+        Python settings, the inputs' producers and plain arguments). User-defined layers and
+        models run op by op: their Python may do anything."""
+        it = self.iteration
+        if it is None or it.mode not in ("skip", "tracing") or self._layer_depth or \
+                not getattr(layer, "built", False) or \
+                not type(layer).__module__.startswith(_KERAS_LAYER_MODULES):
+            return original(layer, *args, **kwargs)
+        settings = tuple((k, v) for k, v in vars(layer).items()
+                         if isinstance(v, (bool, int, float, str, type(None))))
+        flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True)
+
+        def guard_of(x):
+            if isinstance(x, (bool, int, float, str, type(None))):
+                return ("value", x)
+            return self.guard_ref(it, x)
+
+        if it.mode == "skip":
+            unit = it.runner.view.units.get(it.runner.pos)
+            guard = (id(layer), settings) + tuple(guard_of(x) for x in flat)
+            if unit is not None and unit.guard == guard:
+                with self.internal():
+                    out = it.runner.gradient_unit(guard)
+                return tf.nest.pack_sequence_as(unit.structure, out, expand_composites=True)
+            self._layer_depth += 1  # no unit here: match the layer's ops one by one
+            try:
+                return original(layer, *args, **kwargs)
+            finally:
+                self._layer_depth -= 1
+        rec = it.recorder
+        guard = (id(layer), settings) + tuple(
+            guard_of(x._terra_materialize() if isinstance(x, Placeholder) else x) for x in flat)
+        start = len(rec.trace.records)
+        self._layer_depth += 1
+        try:
+            result = original(layer, *args, **kwargs)
+        finally:
+            self._layer_depth -= 1
+        outs = tf.nest.flatten(result, expand_composites=True)
+        refs = [rec.ref_of(t) if isinstance(t, tfp.EagerTensorBase) else None for t in outs]
+        usable = (not any(isinstance(g, tuple) and g[0] == "external" for g in guard[2:])
+                  and all(r is not None for r in refs)
+                  and not any(hasattr(t, "_keras_mask") for t in outs)
+                  and not rec.too_long and len(rec.trace.records) > start)
+        if usable:
+            rec.units[start] = GradUnit(start, len(rec.trace.records), guard, tuple(refs),
+                                        structure=result)
+        return result
+
+    def force_eager(self, what: str) -> None:
+        """Something Terra does not compile (e.g. tape.jacobian): run it eagerly, untraced."""
+        it = self.iteration
+        if it is None:
+            return
+        if it.mode == "skip":
+            it.fallback(Divergence(user_line(), "a compiled op", what, it.runner.pos,
+                                   f"{what} runs eagerly"))
+        if it.mode == "tracing":
+            it.recorder.trace.unsupported.append(f"{what} is not compiled")
+
+    # ---------------------------------------------------------------- traces
+    def finish_trace(self, it) -> None:
+        rec = it.recorder
+        trace = rec.stop()
+        live = _liveouts(rec)
+        self.traces += 1
+        site = it.site
+        site.traces += 1
+        why = _uncompilable(trace)
+        units = _units_for(trace, rec.units)
+        sig = path_signature(trace, units)
+        path = site.paths.get(sig)
+        if path is None and why is None:
+            for other in list(site.paths.values()):
+                if other.signature[2] != sig[2] or _uncompilable(other.trace):
+                    continue
+                g = generalize(other.trace, trace)
+                if g is not None:
+                    trace = g
+                    units = _units_for(g, rec.units)
+                    sig = path_signature(g, units)
+                    path = site.paths.get(sig)
+                    if path is None:
+                        path = Path(sig, trace, units, id=len(site.paths), count=other.count,
+                                    liveouts=set(other.liveouts),
+                                    fetch_points=dict(other.fetch_points))
+                        site.paths[sig] = path
+                        self._event("trace", site, it.number, f"path p{other.id} generalized "
+                                    f"to p{path.id}: changing Python values become feeds")
+                    break
+        new = path is None
+        if new:
+            path = Path(sig, trace, units, id=len(site.paths))
+            site.paths[sig] = path
+        path.absorb(trace, live, trace.fetches, site.seen_objects)
+        for v in trace.feed_values:  # tensors seen as feeds: a unit may rely on TF's cached ones
+            if isinstance(v, tfp.EagerTensorBase) and v.shape.num_elements() <= 64:
+                site.seen_objects[id(v)] = v
+        detail = (f"new path p{path.id} ({len(trace.records)} ops, {len(trace.feeds)} feeds)"
+                  if new else f"path p{path.id} seen {path.count} times")
+        if why:
+            detail += f"; not compilable: {why}"
+        self._event("trace", site, it.number, detail, "")
+        compiled_before = any(p.graph is not None for p in site.paths.values())
+        if why is None and (path.count >= 2 or compiled_before) and path.stale:
+            self._build(site, path, it.number)
+        elif path.view is None and path.graph is not None:
+            path.view = PathView(path.trace, path.usable_units())
+        if path.graph is not None:
+            site.last_path = path
+        if why is not None and path.count >= 2 and site.eager_reason is None and \
+                self._predict(site) is None:
+            self._go_eager(site, it.number, f"a repeating path cannot be compiled: {why}")
+        if site.eager_reason is None and self._predict(site) is None and \
+                site.traces >= CONFIG.max_traces:
+            self._go_eager(site, it.number, f"{site.traces} traces without a compilable repeat"
+                           + (f" (last: {why})" if why else ""))
+        if site.fallbacks >= CONFIG.max_fallbacks and site.eager_reason is None:
+            self._go_eager(site, it.number, f"{site.fallbacks} fallbacks")
+
+    def _go_eager(self, site, number, reason):
+        site.eager_reason = reason
+        self._event("eager", site, number, f"site stays eager: {reason}")
+        if site.key not in self._warned:
+            self._warned.add(site.key)
+            warnings.warn(f"terra: {site.label} runs eagerly from now on: {reason} "
+                          f"(see terra.explain())", RuntimeWarning, stacklevel=4)
+
+    def _build(self, site, path, number):
+        t = time.perf_counter()
+        with self.internal():
+            if path.view is None:
+                path.view = PathView(path.trace, path.usable_units())
+            if path.snapshot is None:
+                path.snapshot = Snapshot(written_variables(path.trace))
+            path.graph = PathGraph(path)
+            path.built_for = (frozenset(path.liveouts), frozenset(path.fetch_points))
+            self._graphs.append(path.graph)
+        self.graph_builds += 1
+        self._event("graph_build", site, number,
+                    f"graph for path p{path.id}: {len(path.trace.records)} ops, "
+                    f"{len(path.graph.feed_channels)} feeds, {len(path.graph.fetch_channels)} "
+                    f"fetches, {len(path.graph.liveouts)} outputs, "
+                    f"{time.perf_counter() - t:.2f} s")
+
+    # ---------------------------------------------------------------- public
+    def end(self) -> None:
+        """Finish the open iteration (if any) and stop intercepting."""
+        it = self.iteration
+        if it is not None and it.mode != "done":
+            with self.internal():
+                it.finish()
+        self.iteration = None
+        _set_active(None)
+
+    def stats(self) -> dict:
+        it = self.iteration
+        phase = "idle"
+        if it is not None:
+            phase = {"skip": "coexecution", "tracing": "tracing", "eager": "eager",
+                     "done": it.site.phase}[it.mode]
+        with self.internal():
+            stall = sum(g.stall_seconds for g in self._graphs)
+        return {"traces": self.traces, "fallbacks": self.fallbacks,
+                "graph_builds": self.graph_builds, "phase": phase, "path_switches": self.switches,
+                "iterations": self.iterations,
+                "python_exec_s": self.python_exec_s, "python_stall_s": self.python_stall_s,
+                "graph_exec_s": self.runner.exec_seconds, "graph_stall_s": stall}
+
+    def explain(self) -> str:
+        lines = [str(e) for e in self.events]
+        for site in self.sites.values():
+            state = f"eager ({site.eager_reason})" if site.eager_reason else site.phase
+            lines.append(f"site {site.label}: {site.traces} traces, {len(site.paths)} paths, "
+                         f"{site.fallbacks} fallbacks, {state}")
+        return "\n".join(lines) if lines else "terra: nothing has run yet"
+
+    def reset(self) -> None:
+        self.end()
+        with self.internal():
+            self.runner.cancel(timeout=CONFIG.timeout_s)
+        if self._installed:
+            hook.uninstall()
+            self._installed = False
+        self.__init__()
+        gc.collect()  # destroy dropped graphs' queues and variables now, not inside later code
+
+
+_optimizer_patched = False
+_KERAS_LAYER_MODULES = ("keras.src.layers.",)
+
+
+def _install_optimizer_unit():
+    """Route Keras `Optimizer.apply_gradients` through the session (a coarse unit); outside an
+    iteration, or when disabled, it runs unchanged."""
+    global _optimizer_patched
+    if _optimizer_patched:
+        return
+    try:
+        from keras.src.optimizers.base_optimizer import BaseOptimizer
+    except ImportError:  # another Keras layout: no coarse unit, op-by-op matching still works
+        return
+    original = BaseOptimizer.apply_gradients
+
+    def apply_gradients(self, grads_and_vars):
+        if SESSION.iteration is None or not CONFIG.enabled:
+            return original(self, grads_and_vars)
+        return SESSION.apply_gradients(self, original, grads_and_vars)
+
+    apply_gradients.__wrapped__ = original
+    BaseOptimizer.apply_gradients = apply_gradients
+    _optimizer_patched = True
+    try:
+        from keras.src.layers.layer import Layer
+    except ImportError:
+        return
+    layer_call = Layer.__call__
+
+    def __call__(self, *args, **kwargs):
+        if SESSION.iteration is None or not CONFIG.layer_units:
+            return layer_call(self, *args, **kwargs)
+        return SESSION.layer_call(self, layer_call, args, kwargs)
+
+    __call__.__wrapped__ = layer_call
+    Layer.__call__ = __call__
+
+
+def _real(structure):
+    """`structure` with placeholders replaced by their values (the tape knows only those)."""
+    if structure is None:
+        return None
+    return tf.nest.map_structure(
+        lambda x: x._terra_materialize() if isinstance(x, Placeholder) else x, structure,
+        expand_composites=True)
+
+
+def _var_ref(x):
+    if isinstance(x, tfp.EagerTensorBase) or x is None:
+        return None
+    h = getattr(x, "handle", None)
+    if isinstance(h, tfp.EagerTensorBase):
+        return VariableRef(id(h))
+    return None
+
+
+def _units_for(trace, units) -> dict:
+    """Copies of the recorded units with the feeds first used inside each (for this trace);
+    units that read a non-tensor feed first inside are dropped."""
+    out = {}
+    for start, u in units.items():
+        feeds = _unit_feeds(trace, u)
+        if feeds is not None:
+            out[start] = GradUnit(u.start, u.end, u.guard, u.result, feeds, u.structure)
+    return out
+
+
+def _unit_feeds(trace, unit):
+    """Slots first used inside `unit` (skip mode puts their recorded objects), or None if one of
+    them is not an EagerTensor (whose identity, hence value, is stable: TF's cached constants)."""
+    seen = set()
+    for rec in trace.records[:unit.start]:
+        for a in rec.inputs:
+            for r in (a if isinstance(a, tuple) else (a,)):
+                if isinstance(r, FeedRef):
+                    seen.add(r.slot)
+    inside = []
+    for rec in trace.records[unit.start:unit.end]:
+        for a in rec.inputs:
+            for r in (a if isinstance(a, tuple) else (a,)):
+                if isinstance(r, FeedRef) and r.slot not in seen:
+                    if not isinstance(trace.feed_values[r.slot], tfp.EagerTensorBase):
+                        return None
+                    seen.add(r.slot)
+                    inside.append(r.slot)
+    return tuple(inside)
+
+
+# Ops whose output shape depends on input values: a placeholder would report the traced shape
+# and Python code reading `.shape` could decide differently than eager. Not compiled (yet).
+DATA_DEPENDENT_SHAPE_OPS = frozenset({
+    "Where", "Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2", "DynamicPartition",
+    "ListDiff", "NonMaxSuppressionV3", "NonMaxSuppressionV4", "NonMaxSuppressionV5",
+    "RaggedRange", "StringSplitV2", "SparseFillEmptyRows"})
+
+
+def _uncompilable(trace) -> str | None:
+    bad = sorted({r.op_type for r in trace.records if r.op_type in DATA_DEPENDENT_SHAPE_OPS})
+    if bad:
+        return f"ops with data-dependent output shapes ({', '.join(bad)})"
+    if trace.unsupported:
+        return "; ".join(sorted(set(trace.unsupported))[:3])
+    if trace.unseeded_random:
+        return "stateful random op without a Generator"
+    if any(r.route == "function" for r in trace.records):
+        # skip mode cannot keep TF from materializing a tf.function's arguments, and under a
+        # tape TF calls another variant (__forward_) than without one: not a coarse unit yet
+        return "a tf.function call inside the iteration"
+    if any(f.spec.dtype in ("variant", "resource", "string") for f in trace.feeds):
+        return "a feed of a type channels cannot carry"
+    if not trace.records:
+        return "empty iteration"
+    return None
+
+
+SESSION = Session()

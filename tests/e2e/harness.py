@@ -1,0 +1,45 @@
+"""Run one user program eagerly and under Terra; compare per-step losses and final variables.
+
+A program is `program(Tape) -> (losses, variables)`: it builds its model from fixed seeds, trains
+with `Tape` (tf.GradientTape or tf.TerraGradientTape) exactly as a user would write it, and returns
+its per-step losses (floats) and final variables (NumPy arrays).
+"""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import terra  # noqa: E402
+
+RTOL = 1e-5
+
+
+def run_both(program, **config):
+    terra.reset()
+    old = terra.config(**config) if config else {}
+    try:
+        eager_losses, eager_vars = program(tf.GradientTape)
+        terra_losses, terra_vars = program(tf.TerraGradientTape)
+        terra.end_iteration()
+        stats = terra.stats()
+        explain = terra.explain()
+    finally:
+        terra.reset()
+        if old:
+            terra.config(**old)
+    assert len(eager_losses) == len(terra_losses), (eager_losses, terra_losses)
+    np.testing.assert_allclose(np.asarray(terra_losses, np.float64),
+                               np.asarray(eager_losses, np.float64), rtol=RTOL, atol=1e-7,
+                               err_msg=explain)
+    assert len(eager_vars) == len(terra_vars)
+    for a, b in zip(eager_vars, terra_vars):
+        np.testing.assert_allclose(b, a, rtol=RTOL, atol=1e-7, err_msg=explain)
+    return stats, explain
+
+
+def assert_coexecuted(stats, explain, min_iterations=1):
+    """Terra really ran graphs (not just eagerly): a graph was built and executed."""
+    assert stats["graph_builds"] >= 1, explain
+    assert stats["graph_exec_s"] > 0, explain

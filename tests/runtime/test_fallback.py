@@ -1,0 +1,130 @@
+"""Fallback: snapshot/restore, eager replay of a matched prefix (tapes included), exceptions and
+Ctrl-C inside the tape body, placeholders kept across iterations."""
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import terra  # noqa: E402
+from terra import _tf_private as tfp  # noqa: E402
+from terra.runtime.fallback import (ContinuingRecorder, EagerReplay, Snapshot,  # noqa: E402
+                                    written_variables)
+from terra.runtime.session import SESSION  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    terra.reset()
+    yield
+    terra.reset()
+
+
+def test_private_tape_api():
+    x = tf.constant([1.0, 2.0])
+    with tf.GradientTape(persistent=True) as t:
+        pass
+    assert not tfp.tape_is_recording(t) and tfp.tape_has_state(t)
+    tfp.resume_tape(t)
+    assert tfp.tape_is_recording(t)
+    t.watch(x)
+    y = x * x
+    tfp.pause_tape(t)
+    assert not tfp.tape_is_recording(t)
+    np.testing.assert_array_equal(t.gradient(y, x).numpy(), [2.0, 4.0])
+
+
+def _record(fn):
+    rec = ContinuingRecorder("t")
+    rec.start(sys._getframe(0))
+    try:
+        out = fn()
+    finally:
+        rec.stop()
+    return rec, out
+
+
+def test_eager_replay_reproduces_values_and_gradients():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Input((3,)), keras.layers.Dense(2, activation="relu"),
+                              keras.layers.Dense(1)])
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    rec, y = _record(lambda: tf.reduce_sum(model(x)))
+    ref = rec.ref_of(y)
+    with tf.GradientTape() as tape:
+        env = EagerReplay(rec.trace, dict(enumerate(rec.trace.feed_values))).run(
+            len(rec.trace.records))
+        replayed = env[(ref.record, ref.index)]
+    assert float(replayed) == float(y)
+    with tf.GradientTape() as t2:
+        y2 = tf.reduce_sum(model(x))
+    for a, b in zip(tape.gradient(replayed, model.trainable_variables),
+                    t2.gradient(y2, model.trainable_variables)):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_snapshot_restore_and_written_variables():
+    v, w = tf.Variable([1.0, 2.0]), tf.Variable(3.0)
+    rec, _ = _record(lambda: (v.assign_add(w * tf.ones(2)), tf.identity(w)))
+    assert written_variables(rec.trace) == [v]
+    snap = Snapshot([v])
+    values = snap.take()
+    tf.function(lambda: v.assign_add([5.0, 5.0]))()  # an in-place update, as a graph does
+    np.testing.assert_array_equal(v.numpy(), [9.0, 10.0])
+    np.testing.assert_array_equal(values[0].numpy(), [4.0, 5.0])  # the snapshot did not move
+    snap.restore(values)
+    np.testing.assert_array_equal(v.numpy(), [4.0, 5.0])
+
+
+def _train_with_exception(Tape, fail_at=4, exc=ValueError):
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.layers.Input((2,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    opt = keras.optimizers.Adam(0.1)
+    x = np.ones((4, 2), np.float32)
+    caught = 0
+    for i in range(7):
+        try:
+            with Tape() as tape:
+                loss = tf.reduce_mean(model(x * (i + 1)) ** 2)
+                if i == fail_at:
+                    raise exc("user code failed")
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+        except exc:
+            caught += 1
+    terra.end_iteration()
+    return caught, [v.numpy() for v in model.variables]
+
+
+@pytest.mark.parametrize("exc", [ValueError, KeyboardInterrupt])
+def test_exception_in_tape_body_leaves_variables_as_eager(exc):
+    ce, ve = _train_with_exception(tf.GradientTape, exc=exc)
+    ct, vt = _train_with_exception(tf.TerraGradientTape, exc=exc)
+    assert ce == ct == 1
+    for a, b in zip(ve, vt):
+        np.testing.assert_allclose(b, a, rtol=1e-6)
+    assert terra.stats()["fallbacks"] >= 1
+    assert SESSION.runner.done  # nothing left running
+
+
+def test_placeholders_kept_across_iterations_stay_valid():
+    v = tf.Variable([0.5, -1.0])
+    kept, eager = [], []
+    for i in range(8):
+        with tf.TerraGradientTape() as tape:
+            loss = tf.reduce_sum(v * v) * (1.0 if i != 6 else 2.0)  # iteration 6 diverges
+        kept.append(loss)
+        v.assign_sub(0.1 * tape.gradient(loss, v))
+    terra.end_iteration()
+    w = tf.Variable([0.5, -1.0])
+    for i in range(8):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * w) * (1.0 if i != 6 else 2.0)
+        eager.append(float(loss))
+        w.assign_sub(0.1 * tape.gradient(loss, w))
+    np.testing.assert_allclose([float(k) for k in kept], eager, rtol=1e-6)
+    assert terra.stats()["graph_builds"] >= 1

@@ -1,0 +1,160 @@
+"""Public API: tf.TerraGradientTape, terra.config / stats / explain / reset, tape semantics."""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import terra  # noqa: E402
+
+STATS_KEYS = {"traces", "fallbacks", "graph_builds", "python_exec_s", "python_stall_s",
+              "graph_exec_s", "graph_stall_s", "phase"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    terra.reset()
+    yield
+    terra.reset()
+
+
+def _train(Tape, steps=6, **tape_kwargs):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Input((3,)), keras.layers.Dense(4, activation="tanh"),
+                              keras.layers.Dense(1)])
+    opt = keras.optimizers.Adam(0.05)
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(steps):
+        x = rng.normal(size=(5, 3)).astype(np.float32)
+        with Tape(**tape_kwargs) as tape:
+            loss = tf.reduce_mean(model(x) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        losses.append(float(loss))
+    terra.end_iteration()
+    return losses, [v.numpy() for v in model.variables]
+
+
+def test_import_installs_tape():
+    assert tf.TerraGradientTape is terra.GradientTape
+    assert issubclass(terra.GradientTape, tf.GradientTape)
+
+
+def test_stats_keys_and_types():
+    s = terra.stats()
+    assert STATS_KEYS <= set(s)
+    assert s["phase"] == "idle" and s["traces"] == 0
+
+
+def test_config_validation_and_restore():
+    with pytest.raises(ValueError, match="unknown setting 'nope'"):
+        terra.config(nope=1)
+    with pytest.raises(TypeError, match="max_traces must be int"):
+        terra.config(max_traces="3")
+    with pytest.raises(ValueError, match="max_traces must be >= 1"):
+        terra.config(max_traces=0)
+    old = terra.config(verbose=2)
+    assert old == {"verbose": 0} and terra.config()["verbose"] == 2
+    terra.config(**old)
+    assert terra.config()["verbose"] == 0
+
+
+def test_coexecution_equals_eager_and_counts():
+    le, ve = _train(tf.GradientTape)
+    lt, vt = _train(tf.TerraGradientTape)
+    np.testing.assert_allclose(lt, le, rtol=1e-6)
+    for a, b in zip(ve, vt):
+        np.testing.assert_allclose(b, a, rtol=1e-6)
+    s = terra.stats()
+    assert s["traces"] == 3 and s["graph_builds"] == 1 and s["fallbacks"] == 0
+    assert s["graph_exec_s"] > 0 and s["python_exec_s"] > 0
+
+
+def test_disabled_is_plain_tape():
+    terra.config(enabled=False)
+    try:
+        le, ve = _train(tf.GradientTape)
+        lt, vt = _train(tf.TerraGradientTape)
+        assert terra.stats()["traces"] == 0
+        np.testing.assert_array_equal(lt, le)
+    finally:
+        terra.config(enabled=True)
+
+
+def test_lazy_evaluation_mode_equals_eager():
+    le, _ = _train(tf.GradientTape)
+    terra.config(coexecution=False)
+    try:
+        lt, _ = _train(tf.TerraGradientTape)
+    finally:
+        terra.config(coexecution=True)
+    np.testing.assert_allclose(lt, le, rtol=1e-6)
+    assert terra.stats()["graph_builds"] == 1
+
+
+def test_explain_names_user_line_of_fallback():
+    keras.utils.set_random_seed(0)
+    v = tf.Variable([1.0, 2.0])
+    for i in range(6):
+        with tf.TerraGradientTape() as tape:
+            loss = tf.reduce_sum(v * v) if i != 4 else tf.reduce_sum(v * v * v)  # explain-me
+        g = tape.gradient(loss, [v])
+        v.assign_sub(0.1 * g[0])
+    terra.end_iteration()
+    text = terra.explain()
+    assert "[fallback]" in text and "test_api.py" in text, text
+    assert terra.stats()["fallbacks"] >= 1
+
+
+def test_max_traces_goes_eager_with_one_warning():
+    terra.config(max_traces=2)
+    try:
+        v = tf.Variable(1.0)
+        with pytest.warns(RuntimeWarning, match="runs eagerly from now on"):
+            for i in range(5):
+                with tf.TerraGradientTape() as tape:
+                    loss = v * float(i) * tf.constant(np.ones(i + 1, np.float32))  # new shapes
+                tape.gradient(loss, v)
+        assert "stays eager" in terra.explain()
+    finally:
+        terra.config(max_traces=8)
+
+
+def test_watch_persistent_nested_and_jacobian_equal_eager():
+    def prog(Tape):
+        x0 = tf.constant([[1.0, 2.0], [3.0, 4.0]])
+        w = tf.Variable([[0.5], [-0.5]])
+        out = []
+        for i in range(5):
+            x = x0 * float(i + 1)
+            with Tape(persistent=True, watch_accessed_variables=False) as outer:
+                outer.watch(x)
+                outer.watch(w)
+                with Tape() as inner:
+                    inner.watch(x)
+                    y = tf.reduce_sum(tf.matmul(x, w) ** 2)
+                dy_dx = inner.gradient(y, x)
+                z = tf.reduce_sum(dy_dx * x)
+            gw, gx = outer.gradient(z, [w, x])
+            jac = outer.jacobian(dy_dx, x) if i == 3 else tf.zeros([2, 2, 2, 2])
+            del outer
+            w.assign_sub(0.01 * gw)
+            out += [float(z), float(tf.reduce_sum(gx)), float(tf.reduce_sum(jac))]
+        terra.end_iteration()
+        return out, w.numpy()
+    le, we = prog(tf.GradientTape)
+    lt, wt = prog(tf.TerraGradientTape)
+    np.testing.assert_allclose(lt, le, rtol=1e-6)
+    np.testing.assert_allclose(wt, we, rtol=1e-6)
+
+
+def test_reset_clears_everything():
+    _train(tf.TerraGradientTape, steps=4)
+    assert terra.stats()["traces"] > 0
+    terra.reset()
+    s = terra.stats()
+    assert s["traces"] == 0 and s["graph_builds"] == 0 and terra.explain().startswith("terra:")
