@@ -29,3 +29,13 @@ bench-quick: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+.PHONY: bench-coexec bench-pipeline results
+bench-coexec: $(STAMP)
+	$(PY) -m benchmarks.coexec
+
+bench-pipeline: $(STAMP)
+	$(PY) benchmarks/pipeline.py
+
+results: $(STAMP)
+	$(PY) -m benchmarks.collect
