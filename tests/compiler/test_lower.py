@@ -275,3 +275,11 @@ def test_plan_puts_choices_when_known_and_reads_fetches_when_python_does():
     assert conds[-1].at > conds[-2].at  # False only once Python has left the loop
     res = drive(lw, t)
     assert len(res.fetched) == 1
+
+
+def test_graph_runner_no_grappler_uses_the_runner_option():
+    from terra.compiler.drive import GraphRunnerNoGrappler
+    from terra.runtime.graph_runner import GraphRunner
+    r = GraphRunnerNoGrappler(name="x")
+    assert isinstance(r, GraphRunner) and r.grappler is False and r.name == "x"
+    assert "_worker" not in GraphRunnerNoGrappler.__dict__  # no private override
