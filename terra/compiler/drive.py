@@ -66,9 +66,9 @@ class DriveResult:
 class GraphRunnerNoGrappler(GraphRunner):
     """A GraphRunner whose runs skip Grappler (bit-identical to eager, as replay does)."""
 
-    def _worker(self):
-        with tfp.function_call_config(tfp.disable_grappler):
-            return super()._worker()
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("grappler", False)
+        super().__init__(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------------- variables

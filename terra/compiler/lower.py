@@ -425,14 +425,6 @@ class _Builder(_replay._Builder):
             self.consts = entry[1]
         return super().value(ref, dtype)
 
-    def variable(self, ref: VariableRef, dtype):
-        # The recorder keeps a bare resource handle when it cannot find the owning variable;
-        # replay would then read it with dtype `resource`: read it with the dtype the op expects.
-        var = self.trace.variables[ref.key]
-        if not isinstance(var, tfp.BaseResourceVariable) and dtype not in (None, "resource"):
-            return tfp.read_variable_op(var, dtype)
-        return super().variable(ref, dtype)
-
 
 class _Ready:
     __slots__ = ("tensor",)

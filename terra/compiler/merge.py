@@ -24,7 +24,6 @@ otherwise its iterations are unrolled as ordinary nodes (their locations keep it
 """
 from __future__ import annotations
 
-import copy
 import os
 from dataclasses import dataclass
 
@@ -120,6 +119,67 @@ def _unfoldable(trace, items) -> set:
     return bad
 
 
+def _const_slots(rec) -> tuple:
+    """(input structure, {position: VariableRef or ConstRef}) of a record."""
+    shape, consts = [], {}
+    for a, arg in enumerate(rec.inputs):
+        items = arg if isinstance(arg, tuple) else (arg,)
+        shape.append(len(items) if isinstance(arg, tuple) else None)
+        for k, ref in enumerate(items):
+            if isinstance(ref, (VariableRef, ConstRef)):
+                consts[(a, k)] = ref
+    return tuple(shape), consts
+
+
+def _conflicts(trace, inst, recs) -> bool:
+    """Whether two of `recs` (records that land on the body level of `inst` if it folds) have the
+    same key but differ in a variable or constant input, or in input structure. No node takes
+    both (a variable/constant slot only ever matches itself, or a `Carried` starting from it),
+    so the body would hold two nodes with one key: rule 2 fails whatever the graph holds."""
+    folded = frozenset(range(inst.depth + 1))  # (outer iterations are equal within `inst`)
+    groups = {}
+    for k in recs:
+        rec = trace.records[k]
+        groups.setdefault(Node.op_key(rec, folded), []).append(rec)
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        shape, seen = None, {}
+        for rec in group:
+            sh, consts = _const_slots(rec)
+            if shape is None:
+                shape = sh
+            elif sh != shape:
+                return True
+            for pos, ref in consts.items():
+                if seen.setdefault(pos, ref) != ref:
+                    return True
+    return False
+
+
+def _hopeless(trace, items, bad: set) -> set:
+    """Uids of loop runs that rule 2 rejects for sure, found on the trace alone (cheap), so no
+    fold is attempted: e.g. a loop over variables, one variable read per iteration. Only records
+    certain to land on a body level are compared: its direct records, and those of nested runs
+    that are unrolled for sure (recursively)."""
+    out = set()
+
+    def level(items) -> list:
+        recs = []
+        for it in items:
+            if not isinstance(it, _Instance):
+                recs.append(it)
+                continue
+            inner = [r for body in it.iterations for r in level(body)]
+            if it.uid in bad or _conflicts(trace, it, inner):
+                if it.uid not in bad:
+                    out.add(it.uid)
+                recs.extend(inner)  # unrolled: its records land here
+        return recs
+    level(items)
+    return out
+
+
 # ---------------------------------------------------------------------- mutable working state
 class _MNode:
     __slots__ = ("id", "kind", "op", "inputs", "seen", "fetches", "level", "first_iter",
@@ -131,27 +191,22 @@ class _MNode:
         self.folded = frozenset()
         self.loop_key, self.body, self.outputs, self.trip_counts = None, None, [], {}
 
-    def __deepcopy__(self, memo):
-        new = _MNode.__new__(_MNode)
-        for s in _MNode.__slots__:
-            v = getattr(self, s)
-            setattr(new, s, v if s in ("op", "loop_key", "inputs", "folded") else copy.deepcopy(v, memo))
-        new.inputs = list(self.inputs)  # Sources are immutable
-        return new
-
 
 class _MLevel:
-    __slots__ = ("id", "start", "end", "edges", "succ", "pred", "nodes")
+    __slots__ = ("id", "start", "end", "edges", "succ", "pred", "nodes", "members", "log")
 
-    def __init__(self, id, start, end):
+    def __init__(self, id, start, end, log=None):
         self.id, self.start, self.end = id, start, end
         self.edges, self.succ, self.pred, self.nodes = [], {start: [], end: []}, {start: [], end: []}, [start, end]
+        self.members = {start, end}  # = set(nodes), for membership tests
+        self.log = log if log is not None else []
 
     def add_edge(self, a, b):
         if b not in self.succ[a]:
             self.edges.append((a, b))
             self.succ[a].append(b)
             self.pred[b].append(a)
+            self.log.append((_undo_edge, self, a, b))
 
     def reaches(self, a, b) -> bool:
         seen, stack = set(), [a]
@@ -165,19 +220,98 @@ class _MLevel:
         return False
 
 
+_MISSING = object()
+
+
+def _undo_edge(lv, a, b):
+    lv.edges.pop()
+    lv.succ[a].pop()
+    lv.pred[b].pop()
+
+
+def _undo_item(d, k, old):
+    if old is _MISSING:
+        del d[k]
+    else:
+        d[k] = old
+
+
+def _undo_append(d, k, created):
+    lst = d[k]
+    lst.pop()
+    if created:
+        del d[k]
+
+
+def _undo_node(st, level, n, old_next_id):
+    st.next_id = old_next_id
+    del st.nodes[n.id]
+    bk = (level.id, st.keys.pop(n.id))
+    st.bykey[bk].pop()
+    if not st.bykey[bk]:
+        del st.bykey[bk]
+    level.nodes.pop()
+    level.members.discard(n.id)
+    del level.succ[n.id], level.pred[n.id]
+
+
 class _State:
+    """The graph being merged into, mutated in place. Every mutation during the walk goes through
+    the methods here (or `_MLevel.add_edge`) and appends its inverse to `log`, so a failed loop
+    fold attempt is undone in time proportional to what it did (`rollback(mark())`), instead of
+    copying the whole graph before each attempt."""
+
     def __init__(self):
         self.levels, self.nodes, self.keys = {}, {}, {}  # keys: node id -> key (cached)
         self.bykey = {}  # (level id, key) -> node ids
         self.next_id = 2
         self.node_of, self.chain_of, self.loop_node_of = {}, {}, {}
+        self.log = []  # undo entries: (function, *args)
+
+    # ---- undo log
+    def mark(self) -> int:
+        return len(self.log)
+
+    def rollback(self, mark: int):
+        log = self.log
+        while len(log) > mark:
+            f, *args = log.pop()
+            f(*args)
+
+    def set_item(self, d: dict, k, v):
+        self.log.append((_undo_item, d, k, d.get(k, _MISSING)))
+        d[k] = v
+
+    def set_attr(self, obj, name, v):
+        self.log.append((setattr, obj, name, getattr(obj, name)))
+        setattr(obj, name, v)
+
+    def append_to(self, d: dict, k, v):
+        """`d.setdefault(k, []).append(v)`, undoably."""
+        lst = d.get(k)
+        self.log.append((_undo_append, d, k, lst is None))
+        if lst is None:
+            lst = d[k] = []
+        lst.append(v)
+
+    def append(self, lst: list, v):
+        self.log.append((list.pop, lst))
+        lst.append(v)
+
+    # ---- structure
+    def new_level(self, lid, start, end):
+        lv = _MLevel(lid, start, end, self.log)
+        self.set_item(self.levels, lid, lv)
+        return lv
 
     def new_node(self, level, kind, key, op=None, inputs=()):
         n = _MNode(self.next_id, kind, level.id, op, inputs)
+        self.log.append((_undo_node, self, level, n, self.next_id))
         self.next_id += 1
         self.nodes[n.id], self.keys[n.id] = n, key
         self.bykey.setdefault((level.id, key), []).append(n.id)
         level.nodes.append(n.id)
+        level.members.add(n.id)
         level.succ[n.id], level.pred[n.id] = [], []
         return n
 
@@ -203,7 +337,7 @@ def _thaw(g: TraceGraph) -> _State:
     st.next_id = g.next_id
 
     def level(lid, tg):
-        lv = _MLevel(lid, tg.start, tg.end)
+        lv = _MLevel(lid, tg.start, tg.end, st.log)
         st.levels[lid] = lv
         for n in tg.nodes.values():
             if n.kind in (START, END):
@@ -220,10 +354,12 @@ def _thaw(g: TraceGraph) -> _State:
             st.nodes[n.id], st.keys[n.id] = m, n.key
             st.bykey.setdefault((lid, n.key), []).append(n.id)
             lv.nodes.append(n.id)
+            lv.members.add(n.id)
             lv.succ[n.id], lv.pred[n.id] = [], []
         for a, b in tg.edges:
             lv.add_edge(a, b)
     level(_TOP, g)
+    st.log.clear()
     return st
 
 
@@ -242,13 +378,6 @@ def _freeze(st: _State, lid, num_traces) -> TraceGraph:
         nodes[nid] = Node(nid, m.kind, m.op, tuple(m.inputs), seen, frozenset(m.fetches), loop,
                           m.first_iter, m.later_iter, m.folded)
     return TraceGraph(nodes, tuple(lv.edges), lv.start, lv.end, num_traces, st.next_id)
-
-
-def _snapshot(st: _State) -> dict:
-    memo = {}
-    shallow = {"keys": dict, "bykey": lambda d: {k: list(v) for k, v in d.items()}}
-    return {k: shallow[k](v) if k in shallow else copy.deepcopy(v, memo)
-            for k, v in st.__dict__.items()}
 
 
 # ---------------------------------------------------------------------------------- merging
@@ -293,22 +422,23 @@ class _Merger:
                 break
         if chosen is None:
             node = st.new_node(lv, OP, key, rec, srcs)
-            node.folded = ctx.folded
+            node.folded = ctx.folded  # (a new node: undone with it)
         else:
             node = st.nodes[chosen[0]]
-            node.inputs = list(chosen[1][0])
+            st.set_attr(node, "inputs", list(chosen[1][0]))
         self.visit(node, ctx, idx)
         lv.add_edge(cur, node.id)
-        st.node_of[idx], st.chain_of[idx] = node.id, ctx.chain
+        st.set_item(st.node_of, idx, node.id)
+        st.set_item(st.chain_of, idx, ctx.chain)
         return node.id
 
     def visit(self, node: _MNode, ctx: _Ctx, idx: int):
-        node.seen.setdefault(self.tid, []).append(idx)
+        st = self.st
+        st.append_to(node.seen, self.tid, idx)
         if ctx.chain:
-            if ctx.iter_pos == 0:
-                node.first_iter = True
-            else:
-                node.later_iter = True
+            flag = "first_iter" if ctx.iter_pos == 0 else "later_iter"
+            if not getattr(node, flag):
+                st.set_attr(node, flag, True)
 
     def loop(self, inst: _Instance, ctx: _Ctx, cur: int) -> int:
         st = self.st
@@ -320,36 +450,32 @@ class _Merger:
         if inst.uid not in self.bad:
             kids, back = self.candidates(lv, cur, (LOOP, lkey))
             for nid in kids + list(back) + [None]:
-                snap = _snapshot(st)
+                mark = st.mark()
                 try:
-                    lv = st.levels[ctx.level]
                     node = st.nodes[nid] if nid is not None else self.new_loop(lv, lkey)
                     self.fold(node.id, inst, ctx)
                 except _NoFold:
-                    st.__dict__.clear()
-                    st.__dict__.update(snap)
+                    st.rollback(mark)
                     continue
-                node = st.nodes[node.id]  # nested attempts may have replaced the objects
                 self.visit(node, ctx, inst.first)
-                node.trip_counts.setdefault(self.tid, []).append(len(inst.iterations))
-                st.loop_node_of[inst.uid] = node.id
-                st.levels[ctx.level].add_edge(cur, node.id)
+                st.append_to(node.trip_counts, self.tid, len(inst.iterations))
+                st.set_item(st.loop_node_of, inst.uid, node.id)
+                lv.add_edge(cur, node.id)
                 return node.id
         for body in inst.iterations:  # unroll
             cur = self.walk(body, ctx, cur)
         return cur
 
     def new_loop(self, lv, lkey):
-        node = self.st.new_node(lv, LOOP, (LOOP, lkey))
-        node.loop_key, node.body = lkey, node.id
-        body = _MLevel(node.id, self.st.next_id, self.st.next_id + 1)
-        self.st.next_id += 2
-        self.st.levels[node.id] = body
+        st = self.st
+        node = st.new_node(lv, LOOP, (LOOP, lkey))
+        node.loop_key, node.body = lkey, node.id  # (a new node: undone with it)
+        st.new_level(node.id, st.next_id, st.next_id + 1)
+        st.set_attr(st, "next_id", st.next_id + 2)
         return node
 
     def fold(self, body_id, inst: _Instance, ctx: _Ctx):
-        """Merge every iteration of `inst` into the body level `body_id` (objects are looked up
-        by id after each walk: a failed nested attempt restores a snapshot)."""
+        """Merge every iteration of `inst` into the body level `body_id`."""
         for pos, items in enumerate(inst.iterations):
             rng = inst.ranges[pos]
             feeds = () if rng is None else tuple(sorted(
@@ -412,7 +538,7 @@ class _Merger:
     def export(self, loop_id, v):
         outs = self.st.nodes[loop_id].outputs
         if v not in outs:
-            outs.append(v)
+            self.st.append(outs, v)
         return outs.index(v)
 
     def compat(self, node: _MNode, srcs, ctx, idx):
@@ -447,7 +573,7 @@ class _Merger:
         if isinstance(s, Carried):
             want = s.init if ctx.iter_pos == 0 else s.update
             return (s, False) if n == want else None
-        local = self.st.levels[node.level].nodes
+        local = self.st.levels[node.level].members
         if isinstance(s, Phi):
             if not (isinstance(n, NodeOut) and n.node in local):
                 return None
@@ -522,7 +648,8 @@ def merge(graph, trace: Trace) -> TraceGraph:
     _check_trace(trace)
     st = _thaw(graph)
     items = _structure(trace.records, list(range(len(trace.records))), 0, iter(range(1 << 62)))
-    m = _Merger(st, trace, graph.num_traces, _unfoldable(trace, items))
+    bad = _unfoldable(trace, items)
+    m = _Merger(st, trace, graph.num_traces, bad | _hopeless(trace, items, bad))
     last = m.walk(items, _Ctx(_TOP), st.levels[_TOP].start)
     top = st.levels[_TOP]
     top.add_edge(last, top.end)

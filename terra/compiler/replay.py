@@ -88,11 +88,13 @@ class _Builder:
 
     def variable(self, ref: VariableRef, dtype):
         var = self.trace.variables[ref.key]
-        handle = var.handle if isinstance(var, tfp.BaseResourceVariable) else var
         if dtype is None or dtype == "resource":
-            return handle
-        # C++ reads a raw variable passed to a non-resource input; in a graph we read explicitly.
-        return tfp.read_variable_op(handle, var.dtype)
+            return var.handle if isinstance(var, tfp.BaseResourceVariable) else var
+        # C++ reads a raw variable passed to a non-resource input; in a graph we read explicitly,
+        # with the dtype the op expects (a bare handle kept by the recorder has dtype `resource`).
+        if isinstance(var, tfp.BaseResourceVariable):
+            return tfp.read_variable_op(var.handle, var.dtype)
+        return tfp.read_variable_op(var, dtype)
 
     def value(self, ref, dtype=None):
         if isinstance(ref, OutputRef):

@@ -129,7 +129,14 @@ def _cancel_live_runners():
 class GraphRunner:
     """Runs graph functions on one background daemon thread; see the module docstring."""
 
-    def __init__(self, error_context=None, op_index_of=op_index_of, name="terra-graph-runner"):
+    def __init__(self, error_context=None, op_index_of=op_index_of, name="terra-graph-runner",
+                 grappler=True):
+        """`grappler=False` runs every function without Grappler rewrites: its arithmetic
+        optimizer and constant folding reassociate float math, so only then are results
+        bit-identical to eager."""
+        if not isinstance(grappler, bool):
+            raise TypeError(f"GraphRunner: grappler must be a bool, got {grappler!r}")
+        self.grappler = grappler
         self.error_context = error_context
         self.op_index_of = op_index_of
         self.name = name
@@ -159,7 +166,7 @@ class GraphRunner:
                 run.state = "running"
             t0 = time.perf_counter()
             try:
-                outputs = tfp.call_concrete_cancellable(run.fn, run.args, run.manager)
+                outputs = self._call(run)
                 state, error = "ok", None
             except tf.errors.CancelledError as e:
                 outputs, state, error = None, "cancelled", e
@@ -174,6 +181,12 @@ class GraphRunner:
                 self.runs_finished += 1
                 run._done.set()
                 self._cv.notify_all()
+
+    def _call(self, run):
+        if self.grappler:
+            return tfp.call_concrete_cancellable(run.fn, run.args, run.manager)
+        with tfp.function_call_config(tfp.disable_grappler):  # thread-local: the worker's calls
+            return tfp.call_concrete_cancellable(run.fn, run.args, run.manager)
 
     # ---- user API -------------------------------------------------------------------------
     def start(self, fn, args=()):

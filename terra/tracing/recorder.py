@@ -25,7 +25,7 @@ from terra import _tf_private as tfp
 from terra.ir.records import (ConstRef, Feed, FeedRef, Fetch, OpRecord, OutputRef, TensorSpec,
                               Trace, VariableRef)
 from terra.tracing import hook
-from terra.tracing.locations import Locator, pause_tracking, resume_tracking
+from terra.tracing.locations import Locator, code_info, pause_tracking, resume_tracking
 
 DEFAULT_CONST_LIMIT = 16
 
@@ -137,6 +137,26 @@ def _frozen_value(value, dtype: str):
     return tup(a.tolist())
 
 
+def _made_in_library(array) -> bool:
+    """Whether library code made `array`: the outermost library frame of the current call (the
+    TF / Keras function the program called) does not hold it among its locals (arguments
+    included, one level into tuples and lists), so the program did not pass it in."""
+    f, entry = sys._getframe(1), None
+    while f is not None:
+        info = code_info(f.f_code)
+        if info.library:
+            entry = f
+        elif not info.internal:
+            break
+        f = f.f_back
+    if entry is None:
+        return False
+    for v in entry.f_locals.values():
+        if v is array or isinstance(v, (tuple, list)) and any(e is array for e in v):
+            return False
+    return True
+
+
 def _is_python_value(v) -> bool:
     if isinstance(v, (bool, int, float, complex, str, bytes, np.generic)):
         return True
@@ -231,6 +251,7 @@ class Recorder(hook.Interceptor):
         self.track_loops = track_loops
         self._produced: dict = {}   # id(tensor) -> (tensor, OutputRef)
         self._born: dict = {}       # id(tensor) -> (tensor, python value): converted this iteration
+        self._library_arrays: set = set()  # ids of `_born` tensors made from library-made arrays
         self._feeds: dict = {}      # id(obj) -> (obj, FeedRef)
         self._handles: dict = {}    # id(handle) -> (handle, variable or None)
         self._functions: dict = {}  # name -> AtomicFunction seen via call_flat
@@ -263,6 +284,7 @@ class Recorder(hook.Interceptor):
         hook.deactivate(self._token)
         hook.uninstall()
         self._born.clear()
+        self._library_arrays.clear()
         return self.trace
 
     def __enter__(self) -> "Recorder":
@@ -285,6 +307,8 @@ class Recorder(hook.Interceptor):
     # ---------------------------------------------------------------------- hook callbacks
     def converted(self, value, dtype, tensor) -> None:
         self._born[id(tensor)] = (tensor, value)
+        if isinstance(value, np.ndarray) and self._small_array(value) and _made_in_library(value):
+            self._library_arrays.add(id(tensor))  # (`_born` keeps the tensor alive)
 
     def variable_handle(self, variable, handle) -> None:
         self._handles[id(handle)] = (handle, variable)
@@ -470,6 +494,8 @@ class Recorder(hook.Interceptor):
                     return ConstRef(_frozen_value(born[1], v.dtype.name), v.dtype.name)
                 return self._feed(v, _spec(v), "python-constant")
             if born is not None and born[0] is v and isinstance(born[1], np.ndarray):
+                if id(v) in self._library_arrays and v.dtype.name != "string":
+                    return ConstRef(_frozen_value(born[1], v.dtype.name), v.dtype.name)
                 # The user's array is the feed value, so it can be substituted by identity.
                 return self._feed(v, _spec(v), "numpy", value=born[1])
             return self._feed(v, _spec(v), "eager-tensor")
@@ -485,6 +511,16 @@ class Recorder(hook.Interceptor):
                 return ConstRef(_frozen_value(v, d), d)
             return self._feed(v, TensorSpec(d, tuple(a.shape)), "python-constant")
         raise _Unsupported(f"input of type {type(v).__name__}")
+
+    def _small_array(self, a: np.ndarray) -> bool:
+        """A NumPy array that library code (TF, Keras) made itself during this iteration (e.g.
+        the axes `reduce_mean` builds with `np.arange`) with at most `const_limit` numeric
+        elements is a constant by value, like a small Python literal, so loops that build one
+        per iteration keep their feed slots aligned and fold. Safe: the value is copied when
+        recorded and merge compares constants by value, so a value that changes between
+        iterations makes a different trace (a new branch), never a stale constant. Arrays the
+        program passes in (user data) stay feeds: see `_made_in_library`."""
+        return a.size <= self.const_limit and a.dtype.kind in "biufc"
 
     def _feed(self, obj, spec: TensorSpec, source: str, value=None) -> FeedRef:
         """Feed slot for external object `obj` (one slot per object); `value` (default `obj`)

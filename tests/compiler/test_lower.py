@@ -16,6 +16,7 @@ from terra.compiler.drive import (drive, plan, record, remap_variables, twin_run
                                   variable_keys)
 from terra.compiler.lower import TOP, lower  # noqa: E402
 from terra.compiler.merge import merge  # noqa: E402
+from terra.ir.records import ConstRef  # noqa: E402
 
 
 class Vars:
@@ -275,3 +276,32 @@ def test_plan_puts_choices_when_known_and_reads_fetches_when_python_does():
     assert conds[-1].at > conds[-2].at  # False only once Python has left the loop
     res = drive(lw, t)
     assert len(res.fetched) == 1
+
+
+def test_graph_runner_no_grappler_uses_the_runner_option():
+    from terra.compiler.drive import GraphRunnerNoGrappler
+    from terra.runtime.graph_runner import GraphRunner
+    r = GraphRunnerNoGrappler(name="x")
+    assert isinstance(r, GraphRunner) and r.grappler is False and r.name == "x"
+    assert "_worker" not in GraphRunnerNoGrappler.__dict__  # no private override
+
+
+def step_small_array(s, scale):
+    w = tf.convert_to_tensor(np.array([scale, 2.0 * scale], "float32"))
+    s.v.assign_add(tf.reshape(w, (2, 1)) * tf.ones((2, 3)))
+    loss = tf.reduce_sum(s.v)
+    float(loss)
+    return loss
+
+
+def test_small_numpy_value_that_changes_is_a_branch_never_a_stale_constant(monkeypatch):
+    # Record the step's small array by value, as the recorder does for arrays TF makes itself.
+    import terra.tracing.recorder as recorder_mod
+    monkeypatch.setattr(recorder_mod, "_made_in_library", lambda array: True)
+    scales = [1.0, 2.0, 1.0, 2.0, 3.0, 1.0, 3.0, 2.0]
+    run = _run(lambda: Vars(v=(2, 3)), step_small_array, [(s,) for s in scales])
+    assert run.driven >= 3  # seen values run from the graph (and equal eager: checked by _run)
+    consts = {s.value for n in run.lowered.graph.op_nodes if n.op is not None
+              for s in n.inputs if isinstance(s, ConstRef) and s.dtype == "float32"
+              and isinstance(s.value, tuple)}
+    assert {(1.0, 2.0), (2.0, 4.0), (3.0, 6.0)} <= consts  # one branch per value

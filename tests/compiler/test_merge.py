@@ -471,3 +471,50 @@ def test_random_loop_programs_replay_exactly():
         unrolled += any(n.op is not None and n.op.location.loops and not n.folded
                         for n in g.op_nodes)
     assert folded > 20 and unrolled > 5   # both outcomes are exercised
+
+
+# ------------------------------------------------------------ cost on optimizer-style loops
+def optimizer_like(n_vars, chain):
+    """A chain of `chain` ops, then a loop over `n_vars` variables as optimizers run it: each
+    iteration reads its variable in a nested one-iteration loop (a tensor conversion), does
+    arithmetic and updates that variable. Such loops cannot fold (rule 2): they unroll."""
+    ops = [("Read", [FeedRef(0)], loc(1))]
+    for k in range(chain):
+        ops.append(("Op%d" % (k % 7), [OutputRef(len(ops) - 1)], loc(10 + k)))
+    x = len(ops) - 1
+    for v in range(n_vars):
+        ops.append(("ReadVariableOp", [VariableRef(v)], loc(2000, (1999, v), (1998, 0))))
+        ops.append(("Mul", [OutputRef(len(ops) - 1), ConstRef(0.9, "float32")], loc(2001, (1999, v))))
+        ops.append(("AddV2", [OutputRef(len(ops) - 1), OutputRef(x)], loc(2002, (1999, v))))
+        ops.append(("AssignVariableOp", [VariableRef(v), OutputRef(len(ops) - 1)],
+                    loc(2003, (1999, v))))
+    t = trace(*ops)
+    t.feeds = [None]
+    return t
+
+
+def test_loop_over_variables_is_rejected_without_a_fold_attempt(monkeypatch):
+    import terra.compiler.merge as merge_mod
+    calls = []
+    fold = merge_mod._Merger.fold
+    monkeypatch.setattr(merge_mod._Merger, "fold", lambda self, *a: calls.append(a) or fold(self, *a))
+    t = optimizer_like(4, 3)
+    g = merge(None, t)
+    outer = [inst for _, inst, _ in calls if inst.loop == "model.py:f@1999"]
+    assert outer == []  # its variables differ per iteration: known before any attempt
+    assert len(calls) == 4  # the conversion loops are attempted (and fold)
+    # the outer loop is unrolled; each one-iteration conversion loop on its own folds
+    assert [n.loop.key[0] for n in g.op_nodes if n.kind == LOOP] == ["model.py:f@1998"] * 4
+    assert sorted(n.op.op_type for n in g.op_nodes if n.kind != LOOP).count("Mul") == 4
+    assert covers(g, t)
+
+
+def test_long_trace_with_optimizer_loop_merges_fast():
+    import time
+    t = optimizer_like(60, 800)  # ~1000 ops; snapshot copies per fold attempt took ~50 s
+    t0 = time.perf_counter()
+    g = merge(None, t)
+    g = merge(g, t)
+    assert covers(g, t)
+    assert time.perf_counter() - t0 < 5.0
+    assert g.size()["nodes"] == len(t.records) + 60 - 1 + 1  # 60 folded conversion loops

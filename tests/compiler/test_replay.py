@@ -325,3 +325,20 @@ def test_numpy_inputs_are_feeds_substitutable_by_identity():
     np.testing.assert_array_equal(got.numpy(), prog(a1).numpy())
     with pytest.raises(ValueError, match="not a feed"):
         substitute_feeds(rec.trace, [(a1, a0)])
+
+
+def test_bare_resource_handle_is_read_with_the_dtype_the_op_expects():
+    # The recorder keeps a bare handle when no variable owns it; an op input that expects float32
+    # must read it as float32 (not with the handle's own dtype, `resource`).
+    from terra.ir.records import Location, OpRecord, TensorSpec, Trace, VariableRef
+    v = tf.Variable([1.0, 2.0])
+    handle = v.handle
+    loc = Location(("test.py:f@0",))
+    rec = OpRecord(0, "AddV2", (("T", "float32"),), (VariableRef(7), ConstRef(1.5, "float32")),
+                   (TensorSpec("float32", (2,)),), loc)
+    trace = Trace("bare", records=[rec], variables={7: handle})
+    fn = compile_trace(trace, [OutputRef(0)])
+    (out,) = fn([])
+    np.testing.assert_array_equal(out.numpy(), [2.5, 3.5])
+    v.assign([3.0, 4.0])  # read at run time, not captured as a constant
+    np.testing.assert_array_equal(fn([])[0].numpy(), [4.5, 5.5])

@@ -415,3 +415,24 @@ def test_interpreter_exits_cleanly_with_a_blocked_run():
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "state running" in out.stdout
+
+
+def test_grappler_option_gives_eager_bits():
+    # Grappler folds (x * 0.1) * 0.3 + 0.7 + 0.2 into fewer constants, which rounds differently.
+    @tf.function(autograph=False)
+    def f(x):
+        return (x * 0.1) * 0.3 + 0.7 + 0.2
+
+    x = tf.constant(np.random.default_rng(0).normal(size=1000).astype("float32"))
+    eager = ((x * 0.1) * 0.3 + 0.7 + 0.2).numpy()
+    concrete = f.get_concrete_function(x)
+    outs = {}
+    for grappler in (True, False):
+        r = GraphRunner(grappler=grappler)
+        assert r.grappler is grappler
+        r.start(concrete, (x,))
+        outs[grappler] = r.result(timeout=10).numpy()
+    np.testing.assert_array_equal(outs[False], eager)
+    assert np.any(outs[True] != eager)  # the default really runs Grappler
+    with pytest.raises(TypeError, match="grappler"):
+        GraphRunner(grappler="no")

@@ -174,3 +174,36 @@ def test_string_constants_replay():
     assert rec.trace.records[0].inputs == ((ConstRef(b"ab", "string"), ConstRef(b"c", "string")),)
     (got,) = compile_trace(rec.trace, [rec.ref_of(n)])([])
     assert int(got) == 3 == int(n)
+
+
+def test_small_numpy_arrays_made_by_tf_are_constants_passed_arrays_stay_feeds():
+    held = np.ones((1, 2), "float32")
+    with Recorder() as rec:
+        tf.reduce_mean(X)                                  # TF builds np.arange(2) for the axes
+        tf.convert_to_tensor(held) + X                     # the program holds `held`: user data
+        tf.convert_to_tensor(np.full((1, 2), 3.0, "float32")) + X   # passed in: user data
+    r = rec.trace.records
+    mean = next(x for x in r if x.op_type == "Mean")
+    assert mean.inputs[1] == ConstRef((0, 1), "int32")
+    adds = [x for x in r if x.op_type == "AddV2"]
+    assert adds[0].inputs[0] == FeedRef(1) and rec.trace.feed_values[1] is held
+    assert adds[1].inputs[0] == FeedRef(2)
+    assert [f.source for f in rec.trace.feeds] == ["eager-tensor", "numpy", "numpy"]
+    with Recorder(const_limit=1) as rec:
+        tf.reduce_mean(X)                                  # 2 elements > const_limit: a feed
+    assert rec.trace.records[0].inputs[1] == FeedRef(1)
+
+
+def test_reduce_mean_in_a_loop_folds_with_constant_axes():
+    from terra.compiler.merge import merge
+    from terra.ir.trace_graph import LOOP
+    xs = [tf.constant([[1.0, 2.0]]) * k for k in range(3)]
+    with Recorder() as rec:
+        for x in xs:
+            tf.reduce_mean(x * 2.0)
+    g = merge(None, rec.trace)
+    (loop,) = g.op_nodes
+    assert loop.kind == LOOP
+    (mean,) = [n for n in loop.loop.body.op_nodes if n.op.op_type == "Mean"]
+    # the axes are one constant, not a new feed every iteration (Python enqueueing each one)
+    assert mean.inputs[1] == ConstRef((0, 1), "int32") and mean.feeds == ()
