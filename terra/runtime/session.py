@@ -349,6 +349,23 @@ class Iteration:
         r = self.run
         return r is not None and r.state == "error"
 
+    def abandon_run(self) -> None:
+        """Stop this iteration's graph run (cancel it, or collect a finished one whose result is
+        no longer wanted: the path taken next recomputes, an eager replay reports any error),
+        drop its unread fetches and restore the variables it may have written."""
+        if self.run is None:
+            return
+        s = self.session
+        if not self.run.done:
+            s.runner.cancel(timeout=CONFIG.timeout_s)
+        else:
+            try:
+                s.runner.result(timeout=CONFIG.timeout_s)
+            except Exception:  # noqa: BLE001 - see the docstring
+                pass
+        self.path.graph.drain()
+        self.path.snapshot.restore(self.snap)
+
     def start_graph(self) -> None:
         if self.run is None:
             self.run = self.session.runner.start(self.path.graph.concrete)
@@ -416,16 +433,7 @@ class Iteration:
             tried.add(id(q))
             s = self.session
             with s.internal():
-                if self.run is not None:
-                    if not self.run.done:
-                        s.runner.cancel(timeout=CONFIG.timeout_s)
-                    else:
-                        try:
-                            s.runner.result(timeout=CONFIG.timeout_s)
-                        except Exception:  # noqa: BLE001 - the new path recomputes
-                            pass
-                    cur.graph.drain()
-                    cur.snapshot.restore(self.snap)
+                self.abandon_run()
                 self.run = None
                 self.path = q
                 self.snap = q.snapshot.take()
@@ -448,16 +456,7 @@ class Iteration:
         runner.skipping = False
         s.count_fallback(self, d)
         with s.internal():
-            if self.run is not None:
-                if not self.run.done:
-                    s.runner.cancel(timeout=CONFIG.timeout_s)
-                else:
-                    try:
-                        s.runner.result(timeout=CONFIG.timeout_s)
-                    except Exception:  # noqa: BLE001 - the eager replay reports it
-                        pass
-                self.path.graph.drain()
-                self.path.snapshot.restore(self.snap)
+            self.abandon_run()
             self.mode = "done"  # until the replay succeeded
             watches: dict = {}
             pre_watch: dict = {}
