@@ -101,6 +101,7 @@ def run_program(build, mode_names, schedule=Schedule(), seed=0, size="bench", lo
             for j in range(schedule.steps):
                 if run.program is not None:
                     _one_step(run, schedule.warmup + k * schedule.steps + j, timed=True)
+            modes_mod.leave(run.mode)
     for run in runs:
         if run.program is not None:
             run.variables = [(getattr(v, "path", v.name), v.numpy()) for v in run.program.variables()]
@@ -144,6 +145,7 @@ def _checked_warmup(runs, warmup, log):
                     break
                 _load(run.program, snapshots[i])
             _one_step(run, i, timed=False)
+            modes_mod.leave(m)
             if run.program is None:
                 break
             if ref.status != "ok" or i not in ref.losses:

@@ -89,6 +89,16 @@ def enter(mode):
         terra_runtime().config(**dict(mode.terra_config))
 
 
+def leave(mode):
+    """Called after each block of steps of ``mode``: a Terra iteration lasts until the next tape
+    ``__enter__`` at the same site, so without this the harness's own work between blocks (other
+    modes' steps, loading eager's variables) would run inside the open Terra iteration."""
+    if mode.is_terra:
+        terra = terra_runtime()
+        if hasattr(terra, "end_iteration"):
+            terra.end_iteration()
+
+
 def read_stats(mode):
     """``terra.stats()`` restricted to STATS_KEYS, or None (non-Terra mode, or no stats yet)."""
     if not mode.is_terra:
