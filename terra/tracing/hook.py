@@ -101,6 +101,15 @@ def _wrap_fast_path(orig):
     return TFE_Py_FastPathExecute
 
 
+def _real_inputs(inputs):
+    """What an op may really execute on: a placeholder (anything with `_terra_materialize`) that
+    reaches eager execution, as it can when an op wrapper's fallback route converted arguments
+    itself, is replaced by its value; handed to C++ as it is, it would crash the process."""
+    if any(hasattr(x, "_terra_materialize") for x in inputs):
+        return [x._terra_materialize() if hasattr(x, "_terra_materialize") else x for x in inputs]
+    return inputs
+
+
 def _route(op_name: str) -> str:
     return "fallback" if tfp.get_op_def(op_name) is not None else "function"
 
@@ -111,7 +120,8 @@ def _wrap_execute(orig):
             return orig(op_name, num_outputs, inputs, attrs, ctx, name)
         op_type = op_name.decode() if isinstance(op_name, bytes) else op_name
         return _dispatch(_active, op_type, inputs, attrs, _route(op_type),
-                         lambda: orig(op_name, num_outputs, inputs, attrs, ctx, name))
+                         lambda: orig(op_name, num_outputs, _real_inputs(inputs), attrs, ctx,
+                                      name))
     return execute
 
 
@@ -122,7 +132,7 @@ def _wrap_execute_with_cancellation(orig):
             return orig(op_name, num_outputs, inputs, attrs, ctx, cancellation_manager, name)
         op_type = op_name.decode() if isinstance(op_name, bytes) else op_name
         return _dispatch(_active, op_type, inputs, attrs, _route(op_type),
-                         lambda: orig(op_name, num_outputs, inputs, attrs, ctx,
+                         lambda: orig(op_name, num_outputs, _real_inputs(inputs), attrs, ctx,
                                       cancellation_manager, name))
     return execute_with_cancellation
 

@@ -315,6 +315,13 @@ class Recorder(hook.Interceptor):
 
     def function(self, fn) -> None:
         self._functions[tfp.atomic_function_name(fn)] = fn
+        # The variables a function captured, by handle: their handles reach `_variable` as
+        # captured inputs without passing through the `handle` property, and this saves the
+        # slow and, while a graph runs on another thread, unsafe gc scan of `_owner_of_handle`.
+        for var in getattr(getattr(fn, "graph", None), "variables", None) or ():
+            handle = getattr(var, "_handle", None)
+            if handle is not None:
+                self._handles.setdefault(id(handle), (handle, var))
 
     def fetch(self, tensor, how: str) -> None:
         ref = self.ref_of(tensor)

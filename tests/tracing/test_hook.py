@@ -187,3 +187,20 @@ def test_an_exception_inside_recording_leaves_tf_clean():
     assert not hook.installed() and hook.active() is None and sys.gettrace() is None
     assert all(_attr_identities()[k] is v for k, v in before.items())
     assert tfp.execute_module.execute is tfp.execute_module.quick_execute
+
+
+def test_placeholder_reaching_eager_execution_is_replaced_by_its_value():
+    """An op wrapper's fallback route hands converted inputs straight to `execute`; a placeholder
+    among them must run as its value (C++ would crash on the placeholder object itself)."""
+    from tensorflow.python.eager import context
+
+    from terra.runtime.placeholders import ConstantResolver, Placeholder
+
+    value = tf.constant([[1.0, 2.0]])
+    ph = Placeholder.create(tf.float32, (1, 2), ConstantResolver(value))
+    attrs = ("T", tf.float32.as_datatype_enum)
+    with Recorder() as rec:
+        out, = tfp.execute_module.execute(b"AddV2", 1, [ph, tf.constant([[10.0, 20.0]])], attrs,
+                                          context.context())
+    np.testing.assert_array_equal(out.numpy(), [[11.0, 22.0]])
+    assert [r.op_type for r in rec.trace.records] == ["AddV2"]
