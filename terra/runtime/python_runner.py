@@ -178,8 +178,17 @@ class PythonRunner(hook.Interceptor):
         self.fed_order: list = []      # slots in the order they were fed
         self._raised = None            # op type whose fast path this runner refused last
         self._frozen_cache: dict = {}
+        self.handles: dict = {}        # id(handle) -> (handle, variable) seen this iteration
 
     # ------------------------------------------------------------------ hook callbacks
+    def variable_handle(self, variable, handle) -> None:
+        """Remember which variable owns a handle, so a fallback's recorder can name variables
+        whose handles it first meets as op inputs (instead of searching the heap)."""
+        self.handles[id(handle)] = (handle, variable)
+        recorder = self.iteration.recorder
+        if recorder is not None:
+            recorder.variable_handle(variable, handle)
+
     def converted(self, value, dtype, tensor) -> None:
         if self.skipping:
             self.born[id(tensor)] = (tensor, value)

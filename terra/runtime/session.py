@@ -475,6 +475,8 @@ class Iteration:
             rec.seed(self.path.trace, runner.pos, runner.fed, env, runner.placeholders,
                      self.path.units, runner.fetch_log, replay, runner.born)
             runner.placeholders = {}
+            for handle, variable in runner.handles.values():
+                rec.variable_handle(variable, handle)
             _set_active(None)
             rec.start(self.frame)
             _set_active(None)  # internal() hands ops to the recorder when Terra's work is done
