@@ -69,3 +69,10 @@ class Program:
 
 def const(a, dtype=None):
     return tf.constant(a, dtype=dtype)
+
+
+def image_batches(rng, batch, hw, classes, n):
+    """`n` synthetic (images, labels) batches for the image classifiers, drawn from `rng`."""
+    return [(tf.constant(rng.standard_normal((batch, hw, hw, 3)), tf.float32),
+             tf.constant(rng.integers(0, classes, batch)))
+            for _ in range(n)]

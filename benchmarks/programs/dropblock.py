@@ -5,7 +5,7 @@ import keras
 import tensorflow as tf
 from keras import layers
 
-from ._common import Program
+from ._common import Program, image_batches
 from ._convnet import CONVNET_SIZES, BasicBlock
 
 
@@ -61,10 +61,7 @@ class DropBlockProgram(Program):
         self.model(tf.zeros((1, c["hw"], c["hw"], 3)))
         self.optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
         self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        r, b = self.np_rng, c["batch"]
-        self.batches = [(tf.constant(r.standard_normal((b, c["hw"], c["hw"], 3)), tf.float32),
-                         tf.constant(r.integers(0, c["classes"], b)))
-                        for _ in range(self.pool_size)]
+        self.batches = image_batches(self.np_rng, c["batch"], c["hw"], c["classes"], self.pool_size)
 
     def keep_prob_at(self, i):
         frac = min(1.0, i / self.schedule_steps)

@@ -4,7 +4,7 @@ import keras
 import tensorflow as tf
 from keras import layers
 
-from ._common import Program
+from ._common import Program, image_batches
 
 SIZES = {
     "bench": dict(stages=(3, 4, 6, 3), width=64, hw=32, batch=4, classes=10),
@@ -45,10 +45,7 @@ class ResNet50(Program):
         self.model = resnet(**c)
         self.optimizer = keras.optimizers.SGD(0.001, momentum=0.9)
         self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        r = self.np_rng
-        self.batches = [(tf.constant(r.standard_normal((c["batch"], c["hw"], c["hw"], 3)), tf.float32),
-                         tf.constant(r.integers(0, c["classes"], c["batch"])))
-                        for _ in range(self.pool_size)]
+        self.batches = image_batches(self.np_rng, c["batch"], c["hw"], c["classes"], self.pool_size)
 
     def train_step(self, x, y):
         with self.tape_cls() as tape:

@@ -49,6 +49,7 @@ from terra.compiler.merge import merge
 from terra.ir.records import ConstRef, FeedRef, TensorSpec, Trace, VariableRef
 from terra.ir.trace_graph import LOOP, Carried, IterFeed, NodeOut, Phi, Prev, TraceGraph
 from terra.runtime.channels import FeedChannel, FetchChannel
+from terra.runtime.graph_runner import op_node_name
 
 __all__ = ["lower", "Lowered", "FeedPoint", "LevelPlan", "TOP", "op_name"]
 
@@ -57,8 +58,9 @@ _OUT, _PHI, _VAR, _VARIN, _FEED, _ITERFEED = "out", "phi", "var", "varin", "feed
 
 
 def op_name(node_id: int) -> str:
-    """Graph node name of a TraceGraph node's op (same scheme as the runtime's `op_node_name`)."""
-    return f"terra_op_{node_id}"
+    """Graph node name of a TraceGraph node's op: the runtime's naming, so that its error
+    translation maps a failing op back to its node."""
+    return op_node_name(node_id)
 
 
 # ---------------------------------------------------------------------------------- public data
