@@ -14,6 +14,10 @@ class Config:
     """enabled: TerraGradientTape co-executes (False: it is a plain tf.GradientTape).
     coexecution: run the graph concurrently with Python (False: "lazy evaluation", the graph runs
       only when Python needs a value or the iteration ends, serialized with Python).
+    overlap_iterations: with coexecution, Python starts the next iteration while the graph still
+      runs the previous one (an op error after an iteration's last sync point then surfaces at
+      the next sync point, as with TF's asynchronous execution; False: each iteration's graph
+      ends before the next iteration begins).
     max_traces: distinct traces per iteration site before that site stays eager (one warning).
     max_fallbacks: fallbacks per site before it stays eager.
     xla: compile compute-only subgraphs with XLA (accepted; not applied yet, see docs/usage.md).
@@ -25,6 +29,7 @@ class Config:
     """
     enabled: bool = True
     coexecution: bool = True
+    overlap_iterations: bool = True
     max_traces: int = 8
     max_fallbacks: int = 20
     xla: bool = False
@@ -38,7 +43,7 @@ class Config:
 CONFIG = Config()
 
 _CHECKS = {
-    "enabled": (bool,), "coexecution": (bool,), "xla": (bool,), "grappler": (bool,),
+    "enabled": (bool,), "coexecution": (bool,), "overlap_iterations": (bool,), "xla": (bool,), "grappler": (bool,),
     "layer_units": (bool,),
     "max_traces": (int,), "max_fallbacks": (int,), "verbose": (int,), "max_trace_ops": (int,),
     "timeout_s": (int, float),

@@ -115,6 +115,7 @@ class EagerReplay:
         self.env: dict = {}
         self.consts: dict = {}
         self.converted: dict = {}   # slot -> tensor made from a non-tensor feed value
+        self.at = None
 
     def value(self, ref, dtype):
         if isinstance(ref, OutputRef):
@@ -172,6 +173,7 @@ class EagerReplay:
         resumed = []
         try:
             for rec in self.trace.records[:upto]:
+                self.at = rec.index  # the record being replayed (the failing one on an error)
                 for t, a, b in spans:
                     if a == rec.index and t not in resumed:
                         tfp.resume_tape(t)

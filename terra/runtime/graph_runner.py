@@ -90,12 +90,13 @@ class GraphRun:
     """One queued/running/finished execution of a graph function."""
 
     __slots__ = ("index", "fn", "args", "manager", "outputs", "error", "state", "exec_seconds",
-                 "_done", "consumed", "cancel_requested")
+                 "_done", "consumed", "cancel_requested", "before")
 
-    def __init__(self, index, fn, args):
+    def __init__(self, index, fn, args, before=None):
         self.index = index
         self.fn = fn
         self.args = args
+        self.before = before  # called on the worker right before fn (e.g. a variable snapshot)
         self.manager = tfp.CancellationManager()
         self.outputs = None
         self.error = None
@@ -166,6 +167,8 @@ class GraphRunner:
                 run.state = "running"
             t0 = time.perf_counter()
             try:
+                if run.before is not None and not run.cancel_requested:
+                    run.before()
                 outputs = self._call(run)
                 state, error = "ok", None
             except tf.errors.CancelledError as e:
@@ -189,16 +192,19 @@ class GraphRunner:
             return tfp.call_concrete_cancellable(run.fn, run.args, run.manager)
 
     # ---- user API -------------------------------------------------------------------------
-    def start(self, fn, args=()):
+    def start(self, fn, args=(), before=None):
         """Queue a run of `fn` (tf.function or ConcreteFunction) on flat tensor `args`.
 
-        Tracing (for a tf.function) happens here, in the caller's thread. Returns the GraphRun.
+        Tracing (for a tf.function) happens here, in the caller's thread. `before()`, if given,
+        runs on the worker right before `fn` (after every earlier run ended; not at all if the run
+        is cancelled before it starts): the place for a snapshot of the variables the run may
+        write. Returns the GraphRun.
         """
         args = tuple(args)
         concrete = tfp.concrete_function_of(fn, args)
         flat = [tf.convert_to_tensor(a) for a in tf.nest.flatten(args, expand_composites=True)]
         with self._cv:
-            run = GraphRun(self._next_index, concrete, flat)
+            run = GraphRun(self._next_index, concrete, flat, before)
             self._next_index += 1
             self._runs.append(run)
             self._work.append(run)
@@ -241,13 +247,15 @@ class GraphRunner:
                 return new.with_traceback(None)
         return error
 
-    def result(self, timeout=None):
-        """Wait (bounded) for the oldest unconsumed run; return its outputs or raise its error.
+    def result(self, timeout=None, run=None):
+        """Wait (bounded) for `run` (default: the oldest unconsumed run); return its outputs or
+        raise its error. Runs started before it are consumed with it.
 
         A cancelled run raises tf.errors.CancelledError. KeyboardInterrupt while waiting cancels
         the graph before it propagates.
         """
-        run = self.current
+        if run is None:
+            run = self.current
         if run is None:
             raise TerraRuntimeError("GraphRunner.result(): no run was started")
         what = f"graph run #{run.index} of {run.fn.name}"
@@ -278,14 +286,25 @@ class GraphRunner:
             self.cancel()
             raise
 
-    def cancel(self, timeout=None):
+    def wait(self, run, timeout=None):
+        """Wait (bounded) until `run` ended, without consuming it. Ctrl-C cancels the graph."""
+        try:
+            wait_until(run._done.is_set, f"graph run #{run.index} of {run.fn.name}", timeout)
+        except KeyboardInterrupt:
+            self.cancel()
+            raise
+
+    def cancel(self, timeout=None, first=None):
         """Cancel the running run and drop pending ones; wait (bounded) until the worker is idle.
+        With `first` (a GraphRun), only that run and the ones started after it are cancelled:
+        earlier runs go on.
 
         Returns the runs that ended cancelled. Feeds Python already put stay queued: drain the
         channels (`FeedChannel.drain`) before the next run if they belong to the cancelled one.
         """
         with self._cv:
-            runs = [r for r in self._runs if not r.done]
+            runs = [r for r in self._runs if not r.done and (first is None or
+                                                             r.index >= first.index)]
             for r in runs:
                 r.cancel_requested = True
                 r.manager.start_cancel()

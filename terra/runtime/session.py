@@ -108,6 +108,9 @@ class PathGraph:
                                                     name=f"terra_fetch{ref.record}_{ref.index}")
             self.fetch_at.setdefault(max(after, ref.record + 1), []).append(ref)
         self.liveouts = tuple(sorted(path.liveouts, key=lambda r: (r.record, r.index)))
+        # fetch channel -> elements that finished iterations left in it unread (their runs
+        # enqueue them; the next reader skips them first)
+        self.stale: dict = {}
         liveouts = self.liveouts
 
         def body():
@@ -119,7 +122,8 @@ class PathGraph:
 
     def drain(self, fetched=None) -> None:
         """Empty the channels after a cancelled run; after a finished one (`fetched` given) the
-        feeds were all consumed and only the fetches Python did not take are left."""
+        feeds were all consumed and only the fetches Python did not take are left. Only when no
+        run of this graph is pending or running."""
         if fetched is None:
             for ch in self.feed_channels:
                 if ch.size():
@@ -128,6 +132,14 @@ class PathGraph:
             if fetched is None or ref not in fetched:
                 if ch.size():
                     ch.drain()
+        self.stale = {}
+
+    def leave_unread(self, fetched) -> None:
+        """A finished iteration whose run may still be going read only `fetched`: the elements
+        its run enqueues on the other channels are skipped by the next reader."""
+        for ref in self.fetch_channels:
+            if ref not in fetched:
+                self.stale[ref] = self.stale.get(ref, 0) + 1
 
     @property
     def stall_seconds(self) -> float:
@@ -314,6 +326,7 @@ class Iteration:
         self.t0 = time.perf_counter()
         self.stall = 0.0
         self.replayed: dict = {}
+        self.pending = False   # finished, its graph run not yet collected (pipelined)
 
     # ---------------------------------------------------------------- co-execution
     def position(self) -> int:
@@ -356,30 +369,48 @@ class Iteration:
         if self.run is None:
             return
         s = self.session
+        s.collect_pending(convert=False)  # earlier iterations' runs end first (may fail)
+        if self.run is None:  # an earlier run failed: ours was cancelled and restored with it
+            return
         if not self.run.done:
-            s.runner.cancel(timeout=CONFIG.timeout_s)
+            s.runner.cancel(timeout=CONFIG.timeout_s, first=self.run)
         else:
             try:
-                s.runner.result(timeout=CONFIG.timeout_s)
+                s.runner.result(timeout=CONFIG.timeout_s, run=self.run)
             except Exception:  # noqa: BLE001 - see the docstring
                 pass
         self.path.graph.drain()
-        self.path.snapshot.restore(self.snap)
+        if self.snap is not None:  # None: the run never started, so it wrote nothing
+            self.path.snapshot.restore(self.snap)
+        self.run = None
+        self.snap = None
 
     def start_graph(self) -> None:
+        """Queue this iteration's run; right before it starts (after every earlier run ended)
+        the worker snapshots the variables it may write, for a fallback to restore."""
         if self.run is None:
-            self.run = self.session.runner.start(self.path.graph.concrete)
+            path = self.path
+            self.snap = None
+
+            def snapshot():
+                self.snap = path.snapshot.take()
+            self.run = self.session.runner.start(path.graph.concrete, before=snapshot)
 
     def resolve(self, ref: OutputRef):
         """Value of a placeholder of this iteration (a Python sync point)."""
         s = self.session
         with s.internal():
+            if self.mode == "skip" and s.pending:
+                s.collect_pending()  # our run comes after theirs anyway; may fall back
             if self.mode == "skip":
-                ch = self.path.graph.fetch_channels.get(ref)
+                graph = self.path.graph
+                ch = graph.fetch_channels.get(ref)
                 if ch is not None and ref not in self.fetched:
                     self.start_graph()
                     t = time.perf_counter()
                     try:
+                        for _ in range(graph.stale.pop(ref, 0)):  # earlier runs' unread values
+                            s.runner.fetch(ch, timeout=CONFIG.timeout_s)
                         v = s.runner.fetch(ch, timeout=CONFIG.timeout_s)
                     except tf.errors.OpError:
                         v = None
@@ -399,6 +430,8 @@ class Iteration:
                                              self.runner.pos, "value needed by Python that the "
                                              "graph does not fetch"))
                 return self.replayed[(ref.record, ref.index)]
+            if self.pending:
+                s.collect_pending()
             v = self.outputs.get(ref)
             if v is None:
                 v = self.replayed.get((ref.record, ref.index))
@@ -434,9 +467,10 @@ class Iteration:
             s = self.session
             with s.internal():
                 self.abandon_run()
+                if s.deferred_error is not None:  # an earlier iteration failed: fall back
+                    return False
                 self.run = None
                 self.path = q
-                self.snap = q.snapshot.take()
                 runner.view = q.view
                 for slot in runner.fed_order:
                     self.put_feed(slot, runner.fed[slot])
@@ -468,7 +502,10 @@ class Iteration:
                 for key in later:
                     watches.setdefault(key, []).append(tape)
             replay = EagerReplay(self.path.trace, runner.fed, self.tape_spans, watches, pre_watch)
-            env = replay.run(runner.pos)
+            try:
+                env = replay.run(runner.pos)
+            except tf.errors.OpError as e:  # the op raises as in eager; say which one it is
+                raise _with_location(e, self, replay.at) from None
             self.replayed = env
             bind_placeholders(runner.placeholders, env)
             rec = ContinuingRecorder(self.site.label, CONFIG.max_trace_ops)
@@ -483,6 +520,7 @@ class Iteration:
             rec._keep = None
             self.recorder = rec
             self.mode = "tracing"
+        s.raise_deferred()
         return rec
 
     # ---------------------------------------------------------------- end
@@ -495,6 +533,7 @@ class Iteration:
                  f"last op of the path; following ops run eagerly", d.location)
         with s.internal():
             self.finish()
+        s.collect_pending()  # the next ops run eagerly
 
     def finish(self) -> None:
         """End the iteration (the next __enter__, reset, or leaving the site)."""
@@ -519,11 +558,30 @@ class Iteration:
 
     def _finish_skip(self) -> None:
         s = self.session
+        if s.pending:
+            s.collect_pending()  # at most one iteration in flight; may fall back (and raise)
+            if self.mode != "skip":
+                return
+        if CONFIG.coexecution and CONFIG.overlap_iterations:
+            with s.internal():
+                self.start_graph()
+                missing = _kept_unresolved(self.runner.placeholders, set(self.path.graph.liveouts))
+            if missing:
+                self.fallback(Divergence(user_line(), "values kept by the graph",
+                                         f"%{missing[0].record} kept by the program",
+                                         self.runner.pos, "value kept past the iteration"))
+                return
+            self.path.graph.leave_unread(self.fetched)
+            self.runner.placeholders = {}
+            self.pending = True
+            s.pending.append(self)
+            s.overlapped += 1
+            return
         with s.internal():
             self.start_graph()
             t = time.perf_counter()
             try:
-                outs = s.runner.result(timeout=CONFIG.timeout_s)
+                outs = s.runner.result(timeout=CONFIG.timeout_s, run=self.run)
             except tf.errors.OpError:
                 outs = None
             finally:
@@ -561,6 +619,23 @@ def _kept_unresolved(placeholders: dict, outputs: dict) -> list:
     return missing
 
 
+def _with_location(error, it, index, late=False):
+    """`error` (an OpError) re-made with the recorded op and source line that raised it; `late`:
+    it belongs to an iteration the program has already left."""
+    rec = it.path.trace.records[index] if index is not None else None
+    if rec is None:
+        return error
+    msg = (f"{error.message}\nterra: raised by op #{index} {rec.function or rec.op_type} "
+           f"recorded at {rec.location!r} in iteration {it.number} at {it.site.label}")
+    if late:
+        msg += "; it ran after that iteration's last sync point, so it surfaces here"
+    cls = type(error)
+    new = cls(error.node_def, error.op, msg, error.error_code) if cls is tf.errors.OpError else \
+        cls(error.node_def, error.op, msg)
+    new.terra_op_index = index
+    return new
+
+
 def _liveouts(recorder) -> set:
     """Refs of recorded tensors the program still holds at the end of the iteration."""
     d = {0: (object(), None)}
@@ -586,6 +661,7 @@ class Session:
         self.fallbacks = 0
         self.graph_builds = 0
         self.switches = 0
+        self.overlapped = 0
         self.python_exec_s = 0.0
         self.python_stall_s = 0.0
         self.iterations = 0
@@ -595,6 +671,8 @@ class Session:
         self._warned: set = set()
         self._depth = 0
         self._layer_depth = 0
+        self.pending: list = []          # finished iterations whose runs are not collected yet
+        self.deferred_error = None       # an earlier iteration's error, raised at a sync point
 
     # ---------------------------------------------------------------- helpers
     @contextlib.contextmanager
@@ -645,6 +723,75 @@ class Session:
             self._installed = True
             _install_optimizer_unit()
 
+    # ---------------------------------------------------------------- pipelined iterations
+    def collect_pending(self, convert: bool = True) -> None:
+        """Wait for the runs of finished iterations (oldest first) and keep their outputs.
+
+        A failed run is an op error of an iteration the program has already left: the later runs
+        are cancelled, every variable goes back to that iteration's start, and its ops are
+        replayed eagerly, so the error is raised by the same op as in eager and leaves the
+        variables exactly as eager leaves them. The error is then raised at this sync point; with
+        `convert` the current iteration first falls back (its ops so far run eagerly)."""
+        while self.pending:
+            self._collect(self.pending[0])
+        if self.deferred_error is not None and convert:
+            it = self.iteration
+            if it is not None and it.mode == "skip":
+                it.fallback(Divergence(user_line(), "no error", "an error of an earlier "
+                                       "iteration", it.runner.pos, "graph error of the "
+                                       "previous iteration"))
+            self.raise_deferred()
+
+    def raise_deferred(self) -> None:
+        e, self.deferred_error = self.deferred_error, None
+        if e is not None:
+            raise e
+
+    def _collect(self, it) -> None:
+        try:
+            with self.internal():
+                outs = self.runner.result(timeout=CONFIG.timeout_s, run=it.run)
+        except tf.errors.OpError:
+            outs = None
+        finally:
+            self.pending.remove(it)
+            it.pending = False
+        if outs is not None:
+            it.outputs = dict(zip(it.path.graph.liveouts, outs))
+            return
+        with self.internal():
+            cur = self.iteration
+            later = [x for x in self.pending + [cur] if x is not None and x is not it and
+                     (x in self.pending or x.mode == "skip") and x.run is not None]
+            self.runner.cancel(timeout=CONFIG.timeout_s, first=it.run)
+            for x in reversed(later):  # newest first: back to the failed iteration's start
+                if x.snap is not None:
+                    x.path.snapshot.restore(x.snap)
+                x.run, x.snap = None, None
+            for x in later:
+                if x in self.pending:
+                    self.pending.remove(x)
+                    x.pending = False
+            for g in self._graphs:
+                g.drain()
+            if it.snap is not None:
+                it.path.snapshot.restore(it.snap)
+            rp = EagerReplay(it.path.trace, it.runner.fed)
+            try:
+                rp.run(len(it.path.trace.records))
+                error = None
+            except tf.errors.OpError as e:
+                error = e
+            it.outputs = {r: rp.env[(r.record, r.index)] for r in it.path.graph.liveouts
+                          if (r.record, r.index) in rp.env}
+        self.fallbacks += 1
+        it.site.fallbacks += 1
+        self._event("fallback", it.site, it.number, "the graph run failed after the iteration's "
+                    "last sync point; replayed eagerly" + (f": {type(error).__name__}"
+                                                           if error is not None else ""))
+        if error is not None and self.deferred_error is None:
+            self.deferred_error = _with_location(error, it, rp.at, late=True)
+
     # ---------------------------------------------------------------- tapes
     def tape_enter(self, tape, frame) -> None:
         if not CONFIG.enabled:
@@ -666,6 +813,8 @@ class Session:
     def _begin(self, site, frame, tape) -> None:
         self._ensure_hook()
         _set_active(None)
+        if self.pending and (site.eager_reason is not None or self._predict(site) is None):
+            self.collect_pending()  # ops of this iteration run eagerly: earlier runs end first
         self.iterations += 1
         it = Iteration(self, site, frame, self.iterations)
         it.add_tape(tape)
@@ -679,7 +828,6 @@ class Session:
             site.phase = "coexecution"
             it.mode = "skip"
             it.path = path
-            it.snap = path.snapshot.take()
             it.runner = PythonRunner(it, path.view)
             if CONFIG.coexecution:
                 it.start_graph()
@@ -977,11 +1125,14 @@ class Session:
     def end(self) -> None:
         """Finish the open iteration (if any) and stop intercepting."""
         it = self.iteration
-        if it is not None and it.mode != "done":
-            with self.internal():
-                it.finish()
-        self.iteration = None
-        _set_active(None)
+        try:
+            if it is not None and it.mode != "done":
+                with self.internal():
+                    it.finish()
+            self.collect_pending()
+        finally:
+            self.iteration = None
+            _set_active(None)
 
     def stats(self) -> dict:
         it = self.iteration
@@ -993,6 +1144,7 @@ class Session:
             stall = sum(g.stall_seconds for g in self._graphs)
         return {"traces": self.traces, "fallbacks": self.fallbacks,
                 "graph_builds": self.graph_builds, "phase": phase, "path_switches": self.switches,
+                "overlapped_iterations": self.overlapped,
                 "iterations": self.iterations,
                 "python_exec_s": self.python_exec_s, "python_stall_s": self.python_stall_s,
                 "graph_exec_s": self.runner.exec_seconds, "graph_stall_s": stall}
@@ -1006,7 +1158,11 @@ class Session:
         return "\n".join(lines) if lines else "terra: nothing has run yet"
 
     def reset(self) -> None:
-        self.end()
+        """Forget everything (an error still pending from the last iteration is dropped)."""
+        try:
+            self.end()
+        except Exception:  # noqa: BLE001 - a reset discards the session's state
+            pass
         with self.internal():
             self.runner.cancel(timeout=CONFIG.timeout_s)
         if self._installed:

@@ -1,0 +1,161 @@
+"""Pipelined iterations: Python starts iteration i+1 while the graph still runs iteration i.
+
+Checks that the overlap happens, that results equal eager with it on and off, that a fallback in
+iteration i+1 waits for run i, that values kept from iteration i resolve after i+1 began, and
+what happens when run i fails after iteration i's last sync point (the error surfaces at the next
+sync point, variables exactly as eager leaves them at the error)."""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import terra  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    terra.reset()
+    old = terra.config(overlap_iterations=True)
+    yield
+    terra.reset()
+    terra.config(**old)
+
+
+def _model(seed=3):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(1)])
+
+
+def _data(steps, seed=1):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(steps, 8, 4)).astype(np.float32),
+            rng.normal(size=(steps, 8, 1)).astype(np.float32))
+
+
+def _weights(model, opt):
+    return [v.numpy() for v in model.variables] + [np.asarray(v.numpy()) for v in opt.variables]
+
+
+def _train(Tape, steps=12, keep=None, diverge_at=()):
+    model, opt = _model(), keras.optimizers.Adam(0.01)
+    X, Y = _data(steps)
+    losses, kept = [], []
+    for i in range(steps):
+        with Tape() as tape:
+            h = model(X[i])
+            if i in diverge_at:  # a path never seen before, taken before any sync point
+                h = h * 2.0
+            loss = tf.reduce_mean((h - Y[i]) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        if keep is not None:
+            kept.append(loss)         # read only after later iterations began
+        else:
+            losses.append(float(loss))
+    if keep is not None:
+        losses = [float(x) for x in kept]
+    return losses, _weights(model, opt)
+
+
+def _assert_same(a, b):
+    np.testing.assert_allclose(a[0], b[0], rtol=1e-5, atol=1e-7)
+    for x, y in zip(a[1], b[1]):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_equal_to_eager_with_and_without_overlap(overlap):
+    terra.config(overlap_iterations=overlap)
+    eager = _train(tf.GradientTape)
+    got = _train(tf.TerraGradientTape)
+    terra.end_iteration()
+    stats = terra.stats()
+    _assert_same(got, eager)
+    assert stats["graph_builds"] >= 1, terra.explain()
+    if overlap:  # every co-executed iteration but the last one ended without waiting
+        assert stats["overlapped_iterations"] >= 12 - 4, stats
+    else:
+        assert stats["overlapped_iterations"] == 0, stats
+
+
+def test_values_kept_from_a_finished_iteration_resolve_later():
+    eager = _train(tf.GradientTape, keep=True)
+    got = _train(tf.TerraGradientTape, keep=True)
+    terra.end_iteration()
+    _assert_same(got, eager)
+    assert terra.stats()["overlapped_iterations"] >= 1
+
+
+def test_fallback_in_the_next_iteration_waits_for_the_previous_run():
+    eager = _train(tf.GradientTape, diverge_at=(7, 9))
+    got = _train(tf.TerraGradientTape, diverge_at=(7, 9))
+    terra.end_iteration()
+    stats = terra.stats()
+    _assert_same(got, eager)
+    assert stats["fallbacks"] >= 1 and stats["overlapped_iterations"] >= 1, terra.explain()
+
+
+def _late_error_program(Tape, steps=9, bad=6, last=False):
+    """The op that fails (an out-of-range gather, or with `last` an out-of-range scatter that is
+    the iteration's last op) runs after the iteration's last sync point: it feeds the variable
+    update only. The except handler captures the variables."""
+    model, opt = _model(5), keras.optimizers.SGD(0.05)
+    X, Y = _data(steps)
+    table = tf.Variable([1.0, 2.0, 3.0, 4.0])
+    shift = tf.Variable(0.0)
+    losses, errors, at_error = [], [], None
+    for i in range(steps):
+        idx = (np.arange(100) % 4).astype(np.int32)   # a feed (too big for a constant)
+        if i == bad:
+            idx[50] = 7
+        try:
+            with Tape() as tape:
+                loss = tf.reduce_mean((model(X[i]) - Y[i]) ** 2)
+            losses.append(float(loss))            # the last sync point of the iteration
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            if last:
+                table.scatter_nd_update(idx[:, None], tf.ones([100]))
+            else:
+                shift.assign_add(tf.reduce_sum(tf.gather(table, idx)) * 1e-3)
+        except tf.errors.InvalidArgumentError as e:
+            errors.append((i, str(e)))
+            if at_error is None:
+                at_error = [v.numpy() for v in model.variables] + [shift.numpy(), table.numpy()]
+    return losses, errors, at_error, [v.numpy() for v in model.variables] + [shift.numpy(),
+                                                                             table.numpy()]
+
+
+@pytest.mark.parametrize("overlap,last", [(True, False), (False, False), (True, True),
+                                          (False, True)])
+def test_error_after_the_last_sync_point_surfaces_at_the_next_one(overlap, last):
+    terra.config(overlap_iterations=overlap)
+    e_losses, e_errors, e_at, _ = _late_error_program(tf.GradientTape, last=last)
+    t_losses, t_errors, t_at, t_final = _late_error_program(tf.TerraGradientTape, last=last)
+    terra.end_iteration()
+    explain = terra.explain()
+    assert [i for i, _ in e_errors] == [6]
+    # raised once: in iteration 6 if Python still issued an op of it after the graph failed,
+    # else in iteration 7 (the program had left iteration 6 already)
+    assert len(t_errors) == 1 and t_errors[0][0] in ((7,) if last else (6, 7)), \
+        (t_errors, explain)
+    assert "indices" in t_errors[0][1] or "index" in t_errors[0][1], t_errors
+    assert "terra: raised by op" in t_errors[0][1], t_errors
+    # the variables are exactly what eager leaves at the error (iteration 7 wrote nothing yet)
+    for a, b in zip(t_at, e_at):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    # the losses read before the error are eager's; training goes on afterwards
+    np.testing.assert_allclose(t_losses[:7], e_losses[:7], rtol=1e-5, atol=1e-7)
+    if t_errors[0][0] == 6:
+        np.testing.assert_allclose(t_losses, e_losses, rtol=1e-5, atol=1e-7)
+    else:  # raised at iteration 7's first sync point (with overlap the read of its loss,
+        # without it the tape's __enter__): that iteration's update never ran
+        assert len(t_losses) == len(e_losses) - 1
+        if overlap:
+            assert "surfaces here" in t_errors[0][1], t_errors
+    assert np.all(np.isfinite(np.concatenate([np.ravel(v) for v in t_final])))
