@@ -649,7 +649,7 @@ class Session:
 
     # ---------------------------------------------------------------- tapes
     def tape_enter(self, tape, frame) -> None:
-        if not CONFIG.enabled:
+        if not CONFIG.enabled or not tf.executing_eagerly():  # in a tf.function: a plain tape
             return
         key = (frame.f_code, frame.f_lasti)
         it = self.iteration
@@ -894,8 +894,8 @@ class Session:
             runner = it.runner
             mark = len(runner.fed_order)
             try:
-                guard = self._function_guard(it, fn, flat)
                 with self.internal():
+                    guard = self._function_guard(it, fn, flat)
                     out = runner.gradient_unit(guard)
                     unit = runner.last_unit
                 return tf.nest.pack_sequence_as(unit.structure, out, expand_composites=True)
@@ -906,6 +906,9 @@ class Session:
                 it.recorder.in_unit:
             return original(fn, *args, **kwargs)
         rec = it.recorder
+        if any(isinstance(x, Placeholder) for x in flat):  # bound after a fallback: tapes
+            args, kwargs = _real(args), _real(kwargs)      # watch their values, not them
+            flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True)
         start = len(rec.trace.records)
         result = original(fn, *args, **kwargs)
         end = len(rec.trace.records)
