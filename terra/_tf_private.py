@@ -346,3 +346,23 @@ class TapeRecordedFunction:
         if outs and _context.executing_eagerly() and _record.could_possibly_record():
             self.functions.record(list(outs), list(args), [])
         return outs
+
+
+def function_op_types(atomic) -> frozenset:
+    """Op types in AtomicFunction `atomic`'s body and every function it calls (control-flow
+    branches and nested tf.functions are its `children`), to see stateful random or
+    data-dependent-shape ops a function record hides."""
+    types, todo, seen = set(), [atomic], set()
+    while todo:
+        fn = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        types.update(n.op for n in fn.cached_definition.node_def)
+        todo.extend(fn.children)
+    return frozenset(types)
+
+
+def function_outputs_static(atomic) -> bool:
+    """Whether every output of AtomicFunction `atomic` has a fully defined static shape."""
+    return all(t.shape.is_fully_defined() for t in atomic.graph.outputs)

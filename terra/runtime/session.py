@@ -46,6 +46,7 @@ from terra.runtime.placeholders import Placeholder
 from terra.runtime.python_runner import (Diverged, Divergence, GradUnit, PathView, PythonRunner,
                                          placeholder_ref, user_line)
 from terra.tracing import hook
+from terra.tracing.recorder import UNSEEDED_RANDOM_OPS
 
 
 # ------------------------------------------------------------------------------------ hook control
@@ -596,6 +597,7 @@ class Session:
         self._depth = 0
         self._layer_depth = 0
         self._tape_functions: dict = {}   # forward function name -> TapeRecordedFunction
+        self._function_ops: dict = {}     # function name -> op types in its body
 
     # ---------------------------------------------------------------- helpers
     @contextlib.contextmanager
@@ -919,6 +921,8 @@ class Session:
                   and not any(isinstance(g, tuple) and g[0] == "external" for g in guard[2:])
                   and all(r is not None or t is None for r, t in zip(refs, outs)))
         for r in rec.trace.records[start:end]:
+            if r.route == "function":
+                self._check_function_body(rec.trace, r)
             if r.route == "function" and r.function.startswith("__forward_"):
                 wrapped = self._tape_functions.get(r.function)
                 if wrapped is None:
@@ -934,6 +938,25 @@ class Session:
             structure = result if composite else tf.nest.map_structure(lambda _: 0, result)
             rec.units[start] = GradUnit(start, end, guard, tuple(refs), structure=structure)
         return result
+
+    def _check_function_body(self, trace, r) -> None:
+        """What the function record `r` hides: a stateful random op (a replayed graph instantiates
+        its kernels anew and draws another sequence than eager) or, with an output whose shape
+        is not static, an op whose output shape depends on data (placeholders would report the
+        traced shape)."""
+        atomic = trace.functions.get(r.function)
+        atomic = getattr(atomic, "atomic", atomic)
+        if atomic is None:
+            return
+        body = self._function_ops.get(r.function)
+        if body is None:
+            body = self._function_ops[r.function] = (tfp.function_op_types(atomic),
+                                                     tfp.function_outputs_static(atomic))
+        types, static = body
+        if types & UNSEEDED_RANDOM_OPS:
+            trace.unseeded_random.append(r.index)
+        if types & DATA_DEPENDENT_SHAPE_OPS and not static:
+            trace.unsupported.append(f"{r.function}: ops with data-dependent output shapes")
 
     def _function_guard(self, it, fn, flat) -> tuple:
         """(fn, tape may record, one entry per flat argument). In skip mode a tensor argument

@@ -213,3 +213,63 @@ def prog_whole_step(Tape, steps=6):
 def test_whole_step_in_tf_function_uses_a_plain_tape():
     stats, explain = run_both(prog_whole_step)
     assert stats["traces"] == 0 and stats["graph_builds"] == 0, explain
+
+
+# ------------------------------------------------------------------ randomness inside a helper
+def prog_noise(Tape, steps=8, generator=False):
+    model, opt = mlp(15), keras.optimizers.SGD(0.05)
+    X, Y = data(steps, seed=14)
+    gen = tf.random.Generator.from_seed(3)
+
+    @tf.function
+    def noisy(h):
+        shape = tf.shape(h)
+        return h + 0.1 * (gen.normal(shape) if generator else tf.random.normal(shape))
+
+    losses = []
+    for i in range(steps):
+        with Tape() as tape:
+            loss = tf.reduce_mean((noisy(model(X[i])) - Y[i]) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        losses.append(float(loss))
+    return losses, weights(model, opt) + [gen.state.numpy()]
+
+
+def test_stateful_random_inside_a_helper_stays_eager():
+    # a replayed graph instantiates the function's random kernels anew: another sequence
+    stats, explain = run_both(prog_noise)
+    assert stats["graph_builds"] == 0, explain
+    assert "stateful random op without a Generator" in explain, explain
+
+
+def test_generator_inside_a_helper_coexecutes():
+    stats, explain = run_both(lambda T: prog_noise(T, generator=True))
+    assert_coexecuted(stats, explain)
+    assert stats["traces"] <= 3 and stats["fallbacks"] <= 1, explain
+
+
+# ------------------------------------------------------------------ data-dependent output shape
+@tf.function
+def positives(h):
+    return tf.boolean_mask(h, h > 0)
+
+
+def prog_mask(Tape, steps=6):
+    model, opt = mlp(17), keras.optimizers.SGD(0.05)
+    X, Y = data(steps, seed=16)
+    losses = []
+    for i in range(steps):
+        with Tape() as tape:
+            kept = positives(model(X[i]) - Y[i])
+            loss = tf.reduce_sum(kept) / float(max(int(kept.shape[0]), 1))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        losses.append(float(loss))
+    return losses, weights(model, opt)
+
+
+def test_data_dependent_shape_inside_a_helper_stays_eager():
+    stats, explain = run_both(prog_mask)
+    assert stats["graph_builds"] == 0, explain
+    assert "data-dependent output shapes" in explain, explain
