@@ -296,6 +296,8 @@ def pause_tape(gradient_tape) -> None:
 # Its recorded `__forward_f` record is replayed eagerly after a fallback; `AtomicFunction.call_flat`
 # alone would not tell the tapes about it, so the replay also records it the way
 # `ConcreteFunction._call_flat` does, with the forward/backward pair TF cached for that call.
+import weakref as _weakref
+
 from tensorflow.python.eager import record as _record
 from tensorflow.python.eager.polymorphic_function import polymorphic_function as _polymorphic
 
@@ -327,23 +329,37 @@ def tape_functions_of(fn, forward_name: str):
 
 
 class TapeRecordedFunction:
-    """A `__forward_f` AtomicFunction that, called eagerly while a tape may record, records
-    itself on the tapes with its backward function (as `ConcreteFunction._call_flat` does), so
-    `tape.gradient` after a replay reaches through it. In a graph being built it is a plain call."""
+    """A `__forward_f` AtomicFunction that, called eagerly while a tape may record, marks the
+    variables it reads as accessed and records itself on the tapes with its backward function
+    (as `ConcreteFunction._call_flat` does), so `tape.gradient` after a replay reaches through
+    it. In a graph being built it is a plain call."""
 
-    __slots__ = ("atomic", "functions")
+    __slots__ = ("atomic", "functions", "variables")
 
     def __init__(self, atomic, functions):
         self.atomic = atomic
         self.functions = functions
+        # variables passed as arguments, by id of their handle (the replay passes handles)
+        self.variables = _weakref.WeakValueDictionary()
+
+    def add_variable(self, variable) -> None:
+        self.variables[id(variable.handle)] = variable
 
     @property
     def name(self):
         return self.atomic.name
 
     def call_flat(self, *args):
+        recording = _context.executing_eagerly() and _record.could_possibly_record()
+        if recording:  # tapes watch the trainable variables the function reads, as TF does
+            for v in self.functions._func_graph.variables:
+                _rv.variable_accessed(v)
+            for a in args:
+                v = self.variables.get(id(a))
+                if v is not None and v.handle is a:
+                    _rv.variable_accessed(v)
         outs = self.atomic.call_flat(*args)
-        if outs and _context.executing_eagerly() and _record.could_possibly_record():
+        if outs and recording:
             self.functions.record(list(outs), list(args), [])
         return outs
 

@@ -932,6 +932,11 @@ class Session:
                         continue
                     wrapped = self._tape_functions[r.function] = tfp.TapeRecordedFunction(
                         rec.trace.functions[r.function], functions)
+                for ref in r.inputs:
+                    var = rec.trace.variables.get(ref.key) if isinstance(ref, VariableRef) \
+                        else None
+                    if isinstance(var, tfp.BaseResourceVariable):
+                        wrapped.add_variable(var)
                 rec.trace.functions[r.function] = wrapped
         if usable:
             composite = len(outs) != len(tf.nest.flatten(result))

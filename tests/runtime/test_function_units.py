@@ -273,3 +273,37 @@ def test_data_dependent_shape_inside_a_helper_stays_eager():
     stats, explain = run_both(prog_mask)
     assert stats["graph_builds"] == 0, explain
     assert "data-dependent output shapes" in explain, explain
+
+
+# ------------------------------------------------------------------ variables only the helper reads
+def prog_helper_variables(Tape, steps=12):
+    """`gain` is captured by the helper and `shift` passed to it, and nothing else reads them;
+    every third step a fallback replays the helper call under the tape before the gradient.
+    (tests/test_tf_private_function_units.py checks that the replayed call alone makes a tape
+    watch such variables.)"""
+    model, opt = mlp(19), keras.optimizers.SGD(0.05)
+    gain, shift = tf.Variable([1.5]), tf.Variable([0.25])
+
+    @tf.function
+    def reg(b):
+        return 0.1 * tf.reduce_sum(gain * gain) + tf.reduce_sum(b * b)
+
+    X, Y = data(steps, seed=18)
+    losses = []
+    for i in range(steps):
+        with Tape() as tape:
+            out = model(X[i])
+            loss = tf.reduce_mean((out - Y[i]) ** 2) + reg(shift)
+            if i % 3 == 2:   # a Python branch after the helper: the fallback replays it
+                loss = loss + 0.5 * tf.reduce_mean(out)
+        variables = model.trainable_variables + [gain, shift]
+        grads = tape.gradient(loss, variables)
+        opt.apply_gradients(zip(grads, variables))
+        losses.append(float(loss))
+    return losses, weights(model, opt) + [gain.numpy(), shift.numpy()]
+
+
+def test_helper_variables_watched_after_a_fallback():
+    stats, explain = run_both(prog_helper_variables)
+    assert_coexecuted(stats, explain)
+    assert stats["fallbacks"] >= 1 and stats["traces"] <= 5, explain
