@@ -43,8 +43,8 @@ from terra.runtime.fallback import (ContinuingRecorder, EagerReplay, Snapshot, b
                                     written_variables)
 from terra.runtime.graph_runner import GraphRunner, op_node_name
 from terra.runtime.placeholders import Placeholder
-from terra.runtime.python_runner import (Diverged, Divergence, GradUnit, PathView, PythonRunner,
-                                         placeholder_ref, user_line)
+from terra.runtime.python_runner import (PAST_END, Diverged, Divergence, GradUnit, PathView,
+                                         PythonRunner, placeholder_ref, user_line)
 from terra.tracing import hook
 from terra.tracing.recorder import UNSEEDED_RANDOM_OPS
 
@@ -898,11 +898,16 @@ class Session:
             try:
                 with self.internal():
                     guard = self._function_guard(it, fn, flat)
-                    out = runner.gradient_unit(guard)
+                    name = getattr(fn, "__name__", "?")
+                    out = runner.gradient_unit(guard, f"call of tf.function {name}")
                     unit = runner.last_unit
                 return tf.nest.pack_sequence_as(unit.structure, out, expand_composites=True)
             except Diverged as d:
                 runner._rollback(mark)
+                if runner.pos >= runner.view.n:  # after the path's last op: the loop is over
+                    with self.internal():
+                        it.finish_past_end(_with_reason(d.divergence, PAST_END))
+                    return original(fn, *_real(args), **_real(kwargs))
                 it.fallback(d.divergence)
         if it.mode != "tracing" or it.recorder is None or not it.recorder.recording or \
                 it.recorder.in_unit:
@@ -971,6 +976,9 @@ class Session:
         want = unit.guard if unit is not None and len(unit.guard) == len(flat) + 2 else None
         out = [fn, tfp.could_possibly_record()]
         for i, x in enumerate(flat):
+            if want is not None and isinstance(x, Placeholder) and \
+                    placeholder_ref(x, it.runner) is None:
+                x = x._terra_materialize()  # an earlier iteration's value: external data now
             if isinstance(x, (bool, int, float, str, bytes, type(None))):
                 out.append(("value", type(x).__name__, x))
                 continue
@@ -1185,6 +1193,10 @@ def _install_function_unit():
     __call__.__wrapped__ = original
     cls.__call__ = __call__
     _function_patched = True
+
+
+def _with_reason(d: Divergence, reason: str) -> Divergence:
+    return Divergence(d.location, d.expected, d.observed, d.position, reason)
 
 
 def _real(structure):

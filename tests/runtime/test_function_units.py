@@ -307,3 +307,31 @@ def test_helper_variables_watched_after_a_fallback():
     stats, explain = run_both(prog_helper_variables)
     assert_coexecuted(stats, explain)
     assert stats["fallbacks"] >= 1 and stats["traces"] <= 5, explain
+
+
+# ------------------------------------------------------------------ evaluation after the loop
+@tf.function
+def evaluate(model, x, y):
+    return tf.reduce_mean((model(x) - y) ** 2)
+
+
+def prog_eval_after_loop(Tape, steps=8):
+    model, opt = mlp(21), keras.optimizers.SGD(0.05)
+    X, Y = data(steps + 1, seed=20)
+    x_val, y_val = tf.constant(X[-1]), tf.constant(Y[-1])
+    losses = []
+    for i in range(steps):
+        with Tape() as tape:
+            loss = tf.reduce_mean((model(X[i]) - Y[i]) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        losses.append(float(loss))
+    losses.append(float(evaluate(model, x_val, y_val)))
+    return losses, weights(model, opt)
+
+
+def test_tf_function_after_the_loop_ends_the_iteration():
+    stats, explain = run_both(prog_eval_after_loop)
+    assert_coexecuted(stats, explain)
+    assert stats["fallbacks"] == 0, explain
+    assert "iteration ended by call of tf.function evaluate" in explain, explain
