@@ -973,7 +973,8 @@ class Session:
         that the unit at the runner's position first feeds is fed here (data passed straight to
         the function)."""
         unit = it.runner.view.units.get(it.runner.pos) if it.mode == "skip" else None
-        want = unit.guard if unit is not None and len(unit.guard) == len(flat) + 2 else None
+        want = unit.guard if unit is not None and len(unit.guard) == len(flat) + 2 and \
+            unit.guard[0] is fn else None
         out = [fn, tfp.could_possibly_record()]
         for i, x in enumerate(flat):
             if want is not None and isinstance(x, Placeholder) and \
@@ -1185,6 +1186,9 @@ def _install_function_unit():
     cls = tfp.PolymorphicFunction
     original = cls.__call__
 
+    # AutoGraph converts what is not TF's own code; converting this wrapper (when converted code
+    # calls a tf.function) loses its closure: keep it out, as TF's own `__call__` is
+    @tf.autograph.experimental.do_not_convert
     def __call__(self, *args, **kwargs):
         if SESSION.iteration is None or not CONFIG.enabled:
             return original(self, *args, **kwargs)

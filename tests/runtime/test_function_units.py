@@ -335,3 +335,34 @@ def test_tf_function_after_the_loop_ends_the_iteration():
     assert_coexecuted(stats, explain)
     assert stats["fallbacks"] == 0, explain
     assert "iteration ended by call of tf.function evaluate" in explain, explain
+
+
+# ------------------------------------------------------------------ persistent tape
+@tf.function
+def sum_sq(w):
+    return tf.reduce_sum(w * w)
+
+
+def prog_persistent(Tape, steps=10):
+    """A persistent tape makes TF call the higher-order forward/backward pair of the helper."""
+    model, opt = mlp(23), keras.optimizers.SGD(0.05)
+    X, Y = data(steps, seed=22)
+    losses = []
+    for i in range(steps):
+        with Tape(persistent=True) as tape:
+            fit = tf.reduce_mean((model(X[i]) - Y[i]) ** 2)
+            reg = 0.01 * sum_sq(model.trainable_variables[0])
+            if i % 4 == 3:
+                reg = reg * 2.0
+        g_fit = tape.gradient(fit, model.trainable_variables)
+        g_reg = tape.gradient(reg, model.trainable_variables)
+        grads = [a if b is None else a + b for a, b in zip(g_fit, g_reg)]
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        losses.append(float(fit + reg))
+    return losses, weights(model, opt)
+
+
+def test_helper_under_a_persistent_tape():
+    stats, explain = run_both(prog_persistent)
+    assert_coexecuted(stats, explain)
+    assert stats["traces"] <= 5 and stats["fallbacks"] <= 2, explain
