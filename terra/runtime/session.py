@@ -43,9 +43,10 @@ from terra.runtime.fallback import (ContinuingRecorder, EagerReplay, Snapshot, b
                                     written_variables)
 from terra.runtime.graph_runner import GraphRunner, op_node_name
 from terra.runtime.placeholders import Placeholder
-from terra.runtime.python_runner import (Diverged, Divergence, GradUnit, PathView, PythonRunner,
-                                         placeholder_ref, user_line)
+from terra.runtime.python_runner import (PAST_END, Diverged, Divergence, GradUnit, PathView,
+                                         PythonRunner, placeholder_ref, user_line)
 from terra.tracing import hook
+from terra.tracing.recorder import UNSEEDED_RANDOM_OPS
 
 
 # ------------------------------------------------------------------------------------ hook control
@@ -673,6 +674,8 @@ class Session:
         self._layer_depth = 0
         self.pending: list = []          # finished iterations whose runs are not collected yet
         self.deferred_error = None       # an earlier iteration's error, raised at a sync point
+        self._tape_functions: dict = {}   # forward function name -> TapeRecordedFunction
+        self._function_ops: dict = {}     # function name -> op types in its body
 
     # ---------------------------------------------------------------- helpers
     @contextlib.contextmanager
@@ -722,6 +725,7 @@ class Session:
             hook.install()
             self._installed = True
             _install_optimizer_unit()
+            _install_function_unit()
 
     # ---------------------------------------------------------------- pipelined iterations
     def collect_pending(self, convert: bool = True) -> None:
@@ -794,7 +798,7 @@ class Session:
 
     # ---------------------------------------------------------------- tapes
     def tape_enter(self, tape, frame) -> None:
-        if not CONFIG.enabled:
+        if not CONFIG.enabled or not tf.executing_eagerly():  # in a tf.function: a plain tape
             return
         key = (frame.f_code, frame.f_lasti)
         it = self.iteration
@@ -1025,6 +1029,121 @@ class Session:
                                         structure=result)
         return result
 
+    def function_call(self, fn, original, args, kwargs):
+        """A `tf.function` call as one coarse unit, guarded on the function object, its plain
+        Python arguments by value, its tensor arguments by producer (or feed slot), and whether a
+        tape may record. Skip mode returns placeholders for the recorded outputs without calling
+        TF (which would materialize placeholder arguments, and under a tape call `__forward_f`
+        where the path may say otherwise); another guard diverges cleanly before the call."""
+        it = self.iteration
+        if it is None or self._depth or hook.active() is None or not tf.executing_eagerly() \
+                or tfp.function_runs_eagerly(fn):  # Terra's own calls, graphs, eager debugging
+            return original(fn, *args, **kwargs)
+        flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True)
+        if it.mode == "skip" and it.runner.skipping:
+            runner = it.runner
+            mark = len(runner.fed_order)
+            try:
+                with self.internal():
+                    guard = self._function_guard(it, fn, flat)
+                    name = getattr(fn, "__name__", "?")
+                    out = runner.gradient_unit(guard, f"call of tf.function {name}")
+                    unit = runner.last_unit
+                return tf.nest.pack_sequence_as(unit.structure, out, expand_composites=True)
+            except Diverged as d:
+                runner._rollback(mark)
+                if runner.pos >= runner.view.n:  # after the path's last op: the loop is over
+                    with self.internal():
+                        it.finish_past_end(_with_reason(d.divergence, PAST_END))
+                    return original(fn, *_real(args), **_real(kwargs))
+                it.fallback(d.divergence)
+        if it.mode != "tracing" or it.recorder is None or not it.recorder.recording or \
+                it.recorder.in_unit:
+            return original(fn, *args, **kwargs)
+        rec = it.recorder
+        if any(isinstance(x, Placeholder) for x in flat):  # bound after a fallback: tapes
+            args, kwargs = _real(args), _real(kwargs)      # watch their values, not them
+            flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True)
+        start = len(rec.trace.records)
+        result = original(fn, *args, **kwargs)
+        end = len(rec.trace.records)
+        guard = self._function_guard(it, fn, flat)  # after the call: data arguments are feeds now
+        outs = tf.nest.flatten(result, expand_composites=True)
+        refs = [rec.ref_of(t) if isinstance(t, tfp.EagerTensorBase) else None for t in outs]
+        usable = (end > start and not rec.too_long
+                  and not any(isinstance(g, tuple) and g[0] == "external" for g in guard[2:])
+                  and all(r is not None or t is None for r, t in zip(refs, outs)))
+        for r in rec.trace.records[start:end]:
+            if r.route == "function":
+                self._check_function_body(rec.trace, r)
+            if r.route == "function" and r.function.startswith("__forward_"):
+                wrapped = self._tape_functions.get(r.function)
+                if wrapped is None:
+                    functions = tfp.tape_functions_of(fn, r.function)
+                    if functions is None:
+                        usable = False  # a fallback's replay could not record its gradient
+                        continue
+                    wrapped = self._tape_functions[r.function] = tfp.TapeRecordedFunction(
+                        rec.trace.functions[r.function], functions)
+                for ref in r.inputs:
+                    var = rec.trace.variables.get(ref.key) if isinstance(ref, VariableRef) \
+                        else None
+                    if isinstance(var, tfp.BaseResourceVariable):
+                        wrapped.add_variable(var)
+                rec.trace.functions[r.function] = wrapped
+        if usable:
+            composite = len(outs) != len(tf.nest.flatten(result))
+            structure = result if composite else tf.nest.map_structure(lambda _: 0, result)
+            rec.units[start] = GradUnit(start, end, guard, tuple(refs), structure=structure)
+        return result
+
+    def _check_function_body(self, trace, r) -> None:
+        """What the function record `r` hides: a stateful random op (a replayed graph instantiates
+        its kernels anew and draws another sequence than eager) or, with an output whose shape
+        is not static, an op whose output shape depends on data (placeholders would report the
+        traced shape)."""
+        atomic = trace.functions.get(r.function)
+        atomic = getattr(atomic, "atomic", atomic)
+        if atomic is None:
+            return
+        body = self._function_ops.get(r.function)
+        if body is None:
+            body = self._function_ops[r.function] = (tfp.function_op_types(atomic),
+                                                     tfp.function_outputs_static(atomic))
+        types, static = body
+        if types & UNSEEDED_RANDOM_OPS:
+            trace.unseeded_random.append(r.index)
+        if types & DATA_DEPENDENT_SHAPE_OPS and not static:
+            trace.unsupported.append(f"{r.function}: ops with data-dependent output shapes")
+
+    def _function_guard(self, it, fn, flat) -> tuple:
+        """(fn, tape may record, one entry per flat argument). In skip mode a tensor argument
+        that the unit at the runner's position first feeds is fed here (data passed straight to
+        the function)."""
+        unit = it.runner.view.units.get(it.runner.pos) if it.mode == "skip" else None
+        want = unit.guard if unit is not None and len(unit.guard) == len(flat) + 2 and \
+            unit.guard[0] is fn else None
+        out = [fn, tfp.could_possibly_record()]
+        for i, x in enumerate(flat):
+            if want is not None and isinstance(x, Placeholder) and \
+                    placeholder_ref(x, it.runner) is None:
+                x = x._terra_materialize()  # an earlier iteration's value: external data now
+            if isinstance(x, (bool, int, float, str, bytes, type(None))):
+                out.append(("value", type(x).__name__, x))
+                continue
+            if not isinstance(x, (tfp.Tensor, tfp.BaseResourceVariable)) and \
+                    _var_ref(x) is None:
+                out.append(("external", type(x).__name__))
+                continue
+            g = self.guard_ref(it, x)
+            if isinstance(g, tuple) and want is not None and isinstance(want[i + 2], FeedRef) \
+                    and isinstance(x, tfp.EagerTensorBase) and want[i + 2].slot not in \
+                    it.runner.fed:
+                it.runner._feed(want[i + 2].slot, x, x)
+                g = want[i + 2]
+            out.append(g)
+        return tuple(out)
+
     def force_eager(self, what: str) -> None:
         """Something Terra does not compile (e.g. tape.jacobian): run it eagerly, untraced."""
         it = self.iteration
@@ -1044,13 +1163,13 @@ class Session:
         self.traces += 1
         site = it.site
         site.traces += 1
-        why = _uncompilable(trace)
         units = _units_for(trace, rec.units)
+        why = _uncompilable(trace, units)
         sig = path_signature(trace, units)
         path = site.paths.get(sig)
         if path is None and why is None:
             for other in list(site.paths.values()):
-                if other.signature[2] != sig[2] or _uncompilable(other.trace):
+                if other.signature[2] != sig[2] or _uncompilable(other.trace, other.units):
                     continue
                 g = generalize(other.trace, trace)
                 if g is not None:
@@ -1211,6 +1330,35 @@ def _install_optimizer_unit():
     Layer.__call__ = __call__
 
 
+_function_patched = False
+
+
+def _install_function_unit():
+    """Route eager `tf.function` calls through the session (a coarse unit); outside an
+    iteration they run unchanged."""
+    global _function_patched
+    if _function_patched:
+        return
+    cls = tfp.PolymorphicFunction
+    original = cls.__call__
+
+    # AutoGraph converts what is not TF's own code; converting this wrapper (when converted code
+    # calls a tf.function) loses its closure: keep it out, as TF's own `__call__` is
+    @tf.autograph.experimental.do_not_convert
+    def __call__(self, *args, **kwargs):
+        if SESSION.iteration is None or not CONFIG.enabled:
+            return original(self, *args, **kwargs)
+        return SESSION.function_call(self, original, args, kwargs)
+
+    __call__.__wrapped__ = original
+    cls.__call__ = __call__
+    _function_patched = True
+
+
+def _with_reason(d: Divergence, reason: str) -> Divergence:
+    return Divergence(d.location, d.expected, d.observed, d.position, reason)
+
+
 def _real(structure):
     """`structure` with placeholders replaced by their values (the tape knows only those)."""
     if structure is None:
@@ -1243,7 +1391,8 @@ def _units_for(trace, units) -> dict:
 def _unit_feeds(trace, unit):
     """Slots first used inside `unit` (skip mode puts their recorded objects), or None if one of
     them is not an EagerTensor (whose identity, hence value, is stable: TF's cached constants)."""
-    seen = set()
+    # tensors the guard names as feeds (a tf.function's data arguments): the caller feeds them
+    seen = {g.slot for g in unit.guard if isinstance(g, FeedRef)}
     for rec in trace.records[:unit.start]:
         for a in rec.inputs:
             for r in (a if isinstance(a, tuple) else (a,)):
@@ -1269,7 +1418,7 @@ DATA_DEPENDENT_SHAPE_OPS = frozenset({
     "RaggedRange", "StringSplitV2", "SparseFillEmptyRows"})
 
 
-def _uncompilable(trace) -> str | None:
+def _uncompilable(trace, units=None) -> str | None:
     bad = sorted({r.op_type for r in trace.records if r.op_type in DATA_DEPENDENT_SHAPE_OPS})
     if bad:
         return f"ops with data-dependent output shapes ({', '.join(bad)})"
@@ -1277,10 +1426,12 @@ def _uncompilable(trace) -> str | None:
         return "; ".join(sorted(set(trace.unsupported))[:3])
     if trace.unseeded_random:
         return "stateful random op without a Generator"
-    if any(r.route == "function" for r in trace.records):
-        # skip mode cannot keep TF from materializing a tf.function's arguments, and under a
-        # tape TF calls another variant (__forward_) than without one: not a coarse unit yet
-        return "a tf.function call inside the iteration"
+    spans = [(u.start, u.end) for u in (units or {}).values()]
+    if any(r.route == "function" and not any(a <= r.index < b for a, b in spans)
+           for r in trace.records):
+        # only a coarse unit keeps TF from materializing a tf.function's placeholder arguments
+        # and from calling another variant (__forward_ under a tape) than the path recorded
+        return "a tf.function call outside a coarse unit (arguments Terra cannot guard)"
     if any(f.spec.dtype in ("variant", "resource", "string") for f in trace.feeds):
         return "a feed of a type channels cannot carry"
     if not trace.records:
