@@ -120,7 +120,9 @@ class PathGraph:
 
         def body():
             order = FeedFetchOrder()
-            env = _ChannelBuilder(trace, self, order).run()
+            builder = _ChannelBuilder(trace, self, order)
+            env = builder.run()
+            self.xla_spans = builder.spans.count
             return [env[(r.record, r.index)] for r in liveouts]
 
         self.concrete = tf.function(body, autograph=False).get_concrete_function()
@@ -983,7 +985,9 @@ class Session:
                     f"graph for path p{path.id}: {len(path.trace.records)} ops, "
                     f"{len(path.graph.feed_channels)} feeds, {len(path.graph.fetch_channels)} "
                     f"fetches, {len(path.graph.liveouts)} outputs, "
-                    f"{time.perf_counter() - t:.2f} s")
+                    + (f"XLA scopes over {path.graph.xla_spans} compute spans, "
+                       if path.graph.xla_spans else "")
+                    + f"{time.perf_counter() - t:.2f} s")
 
     # ---------------------------------------------------------------- public
     def end(self) -> None:

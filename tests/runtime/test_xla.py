@@ -108,6 +108,10 @@ def test_xla_compiles_compute_and_matches_eager(config):
     config(xla=True)
     (eager_losses, eager_vars), (losses, variables), ran, explain = _coexecuted(config)
     ops = _graph_ops()  # read before the session is reset
+    (graph,) = SESSION._graphs
+    # spans are cut at fetch points only
+    assert 1 <= graph.xla_spans <= len(graph.fetch_at) + 1, (graph.xla_spans, graph.fetch_at)
+    assert f"XLA scopes over {graph.xla_spans} compute spans" in explain, explain
     # XLA really ran: every co-executed step ran compiled clusters and no convolution / matmul on
     # TF's executor; the feed channel's stall timer and the dropout draw (random: kept out) ran
     # there (the profiler does not list the asynchronous queue ops; the fed batches and fetched
@@ -142,6 +146,7 @@ def test_xla_false_builds_the_graph_unchanged(config):
     config(xla=False, grappler=False)
     (eager_losses, eager_vars), (losses, variables), ran, explain = _coexecuted(config)
     assert not any(_xla_compile_attr(op) is not None for op in _graph_ops())
+    assert "XLA" not in explain, explain
     assert ran["_XlaRun"] == 0, ran
     assert losses == eager_losses, explain
     # (a few conv/bias variables of this program differ from eager by an ulp with or without
