@@ -104,8 +104,9 @@ def _xla_compile_attr(op):
         return None
 
 
-def test_xla_compiles_compute_and_matches_eager(config):
-    config(xla=True)
+@pytest.mark.parametrize("grappler", [True, False])
+def test_xla_compiles_compute_and_matches_eager(config, grappler):
+    config(xla=True, grappler=grappler)
     (eager_losses, eager_vars), (losses, variables), ran, explain = _coexecuted(config)
     ops = _graph_ops()  # read before the session is reset
     (graph,) = SESSION._graphs
