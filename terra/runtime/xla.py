@@ -4,9 +4,9 @@ A path graph mixes compute with feed/fetch channel ops (queues, stall timers) th
 must not compile. TF's own explicit clustering does the split: ops built inside
 `tf.xla.experimental.jit_scope()` carry `_XlaCompile=True` and an `_XlaScope`, and when the
 function is instantiated TF's MarkForCompilation pass groups the marked ops that have XLA kernels
-into clusters (never across two scopes), rewrites each into `_XlaCompile`/`_XlaRun` (compiled on
-first run, with the original ops kept as fallback through `_XlaMerge`) and leaves every other op
-to the TF executor. This works on CPU whatever ran before; auto-clustering (`global_jit_level`) on
+into clusters (never across two scopes), rewrites each into `_XlaCompile`/`_XlaRun` (lazily
+compiled, mostly on first run; the original ops run behind `_XlaMerge` until then) and leaves
+every other op (queues, ops without an XLA kernel) to the TF executor. This works on CPU whatever ran before; auto-clustering (`global_jit_level`) on
 CPU needs the `tf_xla_cpu_global_jit` flag set before TF's first op, too late for a setting.
 
 A span runs from one fetch point to the next: cutting clusters there keeps each fetched value
