@@ -382,3 +382,46 @@ def function_op_types(atomic) -> frozenset:
 def function_outputs_static(atomic) -> bool:
     """Whether every output of AtomicFunction `atomic` has a fully defined static shape."""
     return all(t.shape.is_fully_defined() for t in atomic.graph.outputs)
+
+# ---- XLA: what TF's executor ran (terra/runtime/xla.py; tests/test_tf_private_xla.py) ----------
+# A cluster of ops marked with `tf.xla.experimental.jit_scope` runs as one `_XlaRun` op; the ops it
+# compiled no longer appear among the executor's ops. TF's profiler records both, in an XSpace
+# proto whose module lives under tensorflow.tsl (no public path).
+import collections as _collections
+import glob as _glob
+import os as _os
+import re as _re
+import tempfile as _tempfile
+
+from tensorflow.tsl.profiler.protobuf import xplane_pb2 as _xplane_pb2
+
+# Executor op events are named "node_name:OpType"; XLA's own (HLO) events have no such suffix.
+_EXECUTOR_OP_EVENT = _re.compile(r"^[^\s:]+:([A-Za-z_][A-Za-z0-9_]*)$")
+
+
+def executed_op_types(fn) -> "_collections.Counter":
+    """Run `fn()` under TF's profiler; return how often TF's executor ran each op type, on any
+    thread (`_XlaRun` per compiled cluster run; `MatMul`, `_MklMatMul`, ... for ops it ran
+    itself). Raises if no profile was written (e.g. another profiler session is active)."""
+    import tensorflow as _tf
+    with _tempfile.TemporaryDirectory() as logdir:
+        _tf.profiler.experimental.start(logdir)
+        try:
+            fn()
+        finally:
+            _tf.profiler.experimental.stop()
+        files = _glob.glob(_os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            raise RuntimeError("executed_op_types: TF's profiler wrote no XSpace")
+        counts = _collections.Counter()
+        for path in files:
+            space = _xplane_pb2.XSpace()
+            with open(path, "rb") as f:
+                space.ParseFromString(f.read())
+            for plane in space.planes:
+                for line in plane.lines:
+                    for event in line.events:
+                        m = _EXECUTOR_OP_EVENT.match(plane.event_metadata[event.metadata_id].name)
+                        if m:
+                            counts[m.group(1)] += 1
+    return counts

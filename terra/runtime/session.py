@@ -38,6 +38,7 @@ import numpy as np
 from terra.ir.records import (ConstRef, Feed, FeedRef, OutputRef, TensorSpec, Trace,
                               VariableRef, replace)
 from terra.runtime.channels import FeedChannel, FeedFetchOrder, FetchChannel
+from terra.runtime import xla
 from terra.runtime.errors import TerraRuntimeError
 from terra.runtime.fallback import (ContinuingRecorder, EagerReplay, Snapshot, bind_placeholders,
                                     written_variables)
@@ -60,21 +61,27 @@ class _ChannelBuilder(replay._Builder):
     """Replay's builder with feeds dequeued from channels and fetches enqueued at their points."""
 
     def __init__(self, trace, graph, order):
-        super().__init__(trace, _LazyFeeds(graph, order))
+        self.spans = xla.Spans(CONFIG.xla)  # XLA scopes per compute span (no-ops without xla)
+        super().__init__(trace, _LazyFeeds(graph, order, self.spans))
         self.graph = graph
         self.order = order
 
     def _emit_fetches(self, at):
-        for ref in self.graph.fetch_at.get(at, ()):
-            self.order.fetch(self.graph.fetch_channels[ref], self.env[(ref.record, ref.index)])
+        refs = self.graph.fetch_at.get(at, ())
+        if refs:
+            self.spans.cut()
+        for ref in refs:
+            with self.spans.channel():
+                self.order.fetch(self.graph.fetch_channels[ref], self.env[(ref.record, ref.index)])
 
     def run(self):
-        for rec in self.trace.records:
-            self._emit_fetches(rec.index)
-            with tf.name_scope(op_node_name(rec.index)):
-                outs = self.function(rec) if rec.route == "function" else self.op(rec)
-            for j, t in enumerate(outs or ()):
-                self.env[(rec.index, j)] = t
+        with self.spans:
+            for rec in self.trace.records:
+                self._emit_fetches(rec.index)
+                with self.spans.compute(), tf.name_scope(op_node_name(rec.index)):
+                    outs = self.function(rec) if rec.route == "function" else self.op(rec)
+                for j, t in enumerate(outs or ()):
+                    self.env[(rec.index, j)] = t
         self._emit_fetches(len(self.trace.records))
         return self.env
 
@@ -82,13 +89,14 @@ class _ChannelBuilder(replay._Builder):
 class _LazyFeeds:
     """`feeds[slot]` dequeues the slot's channel on first use (in trace order)."""
 
-    def __init__(self, graph, order):
-        self.graph, self.order, self.values = graph, order, {}
+    def __init__(self, graph, order, spans):
+        self.graph, self.order, self.spans, self.values = graph, order, spans, {}
 
     def __getitem__(self, slot):
         v = self.values.get(slot)
         if v is None:
-            v = self.values[slot] = self.order.feed(self.graph.feed_channels[slot])
+            with self.spans.channel():
+                v = self.values[slot] = self.order.feed(self.graph.feed_channels[slot])
         return v
 
 
@@ -116,7 +124,9 @@ class PathGraph:
 
         def body():
             order = FeedFetchOrder()
-            env = _ChannelBuilder(trace, self, order).run()
+            builder = _ChannelBuilder(trace, self, order)
+            env = builder.run()
+            self.xla_spans = builder.spans.count
             return [env[(r.record, r.index)] for r in liveouts]
 
         self.concrete = tf.function(body, autograph=False).get_concrete_function()
@@ -148,13 +158,17 @@ class PathGraph:
 
 
 class _Runner(GraphRunner):
-    """GraphRunner whose worker thread runs graphs with or without Grappler (config.grappler)."""
+    """GraphRunner that runs graphs with or without Grappler (config.grappler), and with XLA's
+    clusters kept fusable (config.xla), as configured when each run starts."""
 
-    def _worker(self):
-        if CONFIG.grappler:
-            return super()._worker()
-        with tfp.function_call_config(tfp.disable_grappler):
-            return super()._worker()
+    def _call(self, run):
+        if not CONFIG.grappler:
+            with tfp.function_call_config(tfp.disable_grappler):
+                return super()._call(run)
+        if CONFIG.xla:
+            with tfp.function_call_config(xla.keep_fusable):
+                return super()._call(run)
+        return super()._call(run)
 
 
 # ------------------------------------------------------------------------------------ data
@@ -1238,7 +1252,9 @@ class Session:
                     f"graph for path p{path.id}: {len(path.trace.records)} ops, "
                     f"{len(path.graph.feed_channels)} feeds, {len(path.graph.fetch_channels)} "
                     f"fetches, {len(path.graph.liveouts)} outputs, "
-                    f"{time.perf_counter() - t:.2f} s")
+                    + (f"XLA scopes over {path.graph.xla_spans} compute spans, "
+                       if path.graph.xla_spans else "")
+                    + f"{time.perf_counter() - t:.2f} s")
 
     # ---------------------------------------------------------------- public
     def end(self) -> None:
