@@ -21,6 +21,7 @@ becomes another path. Lowering a whole TraceGraph with switch_case/while_loop is
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import sys
 import threading
@@ -46,6 +47,7 @@ from terra.runtime.graph_runner import GraphRunner, op_node_name
 from terra.runtime.placeholders import Placeholder
 from terra.runtime.python_runner import (PAST_END, Diverged, Divergence, GradUnit, PathView,
                                          PythonRunner, placeholder_ref, user_line)
+from terra.runtime.static_values import StaticValues
 from terra.tracing import hook
 from terra.tracing.recorder import UNSEEDED_RANDOM_OPS
 
@@ -117,6 +119,15 @@ class PathGraph:
                                                     name=f"terra_fetch{ref.record}_{ref.index}")
             self.fetch_at.setdefault(max(after, ref.record + 1), []).append(ref)
         self.liveouts = tuple(sorted(path.liveouts, key=lambda r: (r.record, r.index)))
+        # Live-outs are fetched too: the next iteration often consumes one right away (inputs
+        # sliced for the next step after the tape's block) and then needs not wait for the run
+        # to end.
+        for ref in self.liveouts:
+            spec = trace.records[ref.record].outputs[ref.index]
+            if ref not in self.fetch_channels and spec.dtype not in ("resource", "variant"):
+                self.fetch_channels[ref] = FetchChannel(
+                    spec.dtype, spec.shape, name=f"terra_fetch{ref.record}_{ref.index}")
+                self.fetch_at.setdefault(len(trace.records), []).append(ref)
         # fetch channel -> elements that finished iterations left in it unread (their runs
         # enqueue them; the next reader skips them first)
         self.stale: dict = {}
@@ -268,6 +279,19 @@ class Path:
     id: int = 0
     verified: set = field(default_factory=set)   # units whose feeds were seen identical twice
 
+    @functools.cached_property
+    def static(self) -> StaticValues:
+        return StaticValues(self.trace)
+
+    @functools.cached_property
+    def early_feed(self) -> bool:
+        """The path's first feed comes within its first few ops (then its run starts there)."""
+        for rec in self.trace.records[:16]:
+            for a in rec.inputs:
+                if any(isinstance(r, FeedRef) for r in (a if isinstance(a, tuple) else (a,))):
+                    return True
+        return False
+
     def usable_units(self) -> dict:
         return {s: u for s, u in self.units.items() if not u.feeds or s in self.verified}
 
@@ -372,6 +396,8 @@ class Iteration:
     def put_feed(self, slot, value) -> None:
         ch = self.path.graph.feed_channels[slot]
         ch.put(value._terra_materialize() if isinstance(value, Placeholder) else value)
+        if CONFIG.coexecution:
+            self.start_graph()  # (a no-op once started) after the put: no blocked dequeue
 
     def run_failed(self) -> bool:
         r = self.run
@@ -415,6 +441,12 @@ class Iteration:
         """Value of a placeholder of this iteration (a Python sync point)."""
         s = self.session
         with s.internal():
+            if self.mode == "skip":
+                v = self.path.static.get(ref)  # a shape the path fixes: no need to wait
+                if v is not None:
+                    self.runner.log_fetch(ref)
+                    s.static_reads += 1
+                    return v
             if self.mode == "skip" and s.pending:
                 s.collect_pending()  # our run comes after theirs anyway; may fall back
             if self.mode == "skip":
@@ -446,6 +478,9 @@ class Iteration:
                                              "graph does not fetch"))
                 return self.replayed[(ref.record, ref.index)]
             if self.pending:
+                v = self._early_liveout(ref)
+                if v is not None:
+                    return v
                 s.collect_pending()
             v = self.outputs.get(ref)
             if v is None:
@@ -454,6 +489,29 @@ class Iteration:
                 raise TerraRuntimeError(f"terra: the value of op #{ref.record} of iteration "
                                         f"{self.number} at {self.site.label} was not kept")
             return v
+
+    def _early_liveout(self, ref):
+        """A value this finished iteration left to the program, read from its fetch channel
+        while its run may still be going (None: not there any more; wait for the run)."""
+        graph = self.path.graph
+        ch = graph.fetch_channels.get(ref)
+        v = self.outputs.get(ref)
+        if v is not None or ch is None or ref in self.fetched or not graph.stale.get(ref):
+            return v
+        s = self.session
+        t = time.perf_counter()
+        try:
+            for _ in range(graph.stale[ref] - 1):  # older iterations' unread values
+                s.runner.fetch(ch, timeout=CONFIG.timeout_s)
+            v = s.runner.fetch(ch, timeout=CONFIG.timeout_s)
+        except tf.errors.OpError:
+            return None  # its run failed: collecting it reports the error
+        finally:
+            s.python_stall_s += time.perf_counter() - t
+        graph.stale[ref] = 0
+        self.fetched.add(ref)
+        self.outputs[ref] = v
+        return v
 
     def switch(self, d: Divergence, at_end: bool = False, tried=None) -> bool:
         """Restart the iteration on another compiled path that agrees with the current one on
@@ -490,7 +548,7 @@ class Iteration:
                 for slot in runner.fed_order:
                     self.put_feed(slot, runner.fed[slot])
                 self.fetched = set()
-                if CONFIG.coexecution or self.fetched:
+                if CONFIG.coexecution and (runner.fed_order or not q.early_feed):
                     self.start_graph()
             s.switches += 1
             s._event("switch", self.site, self.number, f"p{cur.id} -> p{q.id} at op #{pos}: "
@@ -677,6 +735,7 @@ class Session:
         self.graph_builds = 0
         self.switches = 0
         self.overlapped = 0
+        self.static_reads = 0
         self.python_exec_s = 0.0
         self.python_stall_s = 0.0
         self.iterations = 0
@@ -847,8 +906,9 @@ class Session:
             it.mode = "skip"
             it.path = path
             it.runner = PythonRunner(it, path.view)
-            if CONFIG.coexecution:
-                it.start_graph()
+            if CONFIG.coexecution and not path.early_feed:
+                it.start_graph()  # else at the first feed: a feed of another signature (the
+                # next batch has another shape) then switches paths without a run to cancel
             _set_active(it.runner)
             return
         site.phase = "tracing"
@@ -1279,7 +1339,7 @@ class Session:
             stall = sum(g.stall_seconds for g in self._graphs)
         return {"traces": self.traces, "fallbacks": self.fallbacks,
                 "graph_builds": self.graph_builds, "phase": phase, "path_switches": self.switches,
-                "overlapped_iterations": self.overlapped,
+                "overlapped_iterations": self.overlapped, "static_reads": self.static_reads,
                 "iterations": self.iterations,
                 "python_exec_s": self.python_exec_s, "python_stall_s": self.python_stall_s,
                 "graph_exec_s": self.runner.exec_seconds, "graph_stall_s": stall}
