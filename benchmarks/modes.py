@@ -14,6 +14,7 @@ exists):
   graph_stall_s`` (seconds); the harness attributes differences to the mode that ran in between.
 """
 import dataclasses
+import types
 
 import tensorflow as tf
 
@@ -76,11 +77,28 @@ def tape_class(mode):
 
 
 def prepare(mode, build, seed=0, size="bench"):
-    """Build the program for ``mode``; the tf.function modes decorate ``train_step`` as a user would."""
+    """Build the program for ``mode``; the tf.function modes decorate ``train_step`` as a user would.
+
+    Terra keys an iteration site by the code that enters the tape. The Terra modes run their own
+    program instances interleaved in one process, so each Terra mode but ``terra`` gets its own
+    copy of ``train_step``'s code: otherwise both modes' models would share one site (its traces,
+    paths and trace limit), which no single user program does."""
     program = build(tape_class(mode), seed=seed, size=size)
     if mode.jit_compile is not None:
         program.train_step = tf.function(program.train_step, jit_compile=mode.jit_compile)
+    elif mode.is_terra and mode.name != "terra":
+        program.train_step = _own_code(program.train_step, mode.name)
     return program
+
+
+def _own_code(method, tag):
+    """``method`` (bound) re-made from a copy of its code object renamed ``<name>_<tag>`` (code
+    objects compare by value, so the copy must differ): same behaviour, another site."""
+    fn = method.__func__
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{tag}")
+    copy = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    return types.MethodType(copy, method.__self__)
 
 
 def enter(mode):
