@@ -15,8 +15,9 @@ Per site the session goes through phases:
 
 Graph generation here compiles one path (a straight-line trace) into one graph with feed and fetch
 channels; divergence from the path falls back (terra/runtime/fallback.py) and the new trace
-becomes another path. Lowering a whole TraceGraph with switch_case/while_loop is the compiler's
-`lower` pass; this module uses a path per graph until it is wired in.
+becomes another path. A site with two or more compiled paths also gets a SiteGraph
+(terra/runtime/site_graph.py: all paths merged and lowered with switch_case / while_loop), on
+which a divergence to another path that made the same choices so far costs no restart.
 """
 from __future__ import annotations
 
