@@ -405,9 +405,15 @@ class Iteration:
         """Stop this iteration's graph run (cancel it, or collect a finished one whose result is
         no longer wanted: the path taken next recomputes, an eager replay reports any error),
         drop its unread fetches and restore the variables it may have written."""
-        if self.run is None:
-            return
         s = self.session
+        if self.run is None:
+            if self.mode == "skip" and self.runner is not None and (
+                    self.runner.fed or self.site_run is not None and self.site_run.done):
+                # lazy mode: nothing ran, but what Python put is queued (on a site graph the
+                # next path would dequeue it)
+                s.collect_pending(convert=False)
+                self.graph().drain()
+            return
         s.collect_pending(convert=False)  # earlier iterations' runs end first (may fail)
         if self.run is None:  # an earlier run failed: ours was cancelled and restored with it
             return

@@ -218,3 +218,16 @@ def test_kept_values_and_reads_of_earlier_visits():
 def test_config_site_graph_is_a_bool():
     with pytest.raises(TypeError, match="site_graph"):
         terra.config(site_graph=1)
+
+
+@pytest.mark.parametrize("settings", [{"overlap_iterations": False}, {"coexecution": False}],
+                         ids=["no_overlap", "lazy"])
+def test_equal_to_eager_without_overlap_and_lazy(settings):
+    eager = trip_count(tf.GradientTape, steps=16)
+    old = terra.config(**settings)
+    try:
+        got, stats, explain = _terra_run(lambda T: trip_count(T, steps=16), True)
+    finally:
+        terra.config(**old)
+    _assert_same(got, eager, f"trip_count {settings}")
+    assert stats["case_switches"] > 0, explain
