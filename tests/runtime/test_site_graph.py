@@ -231,3 +231,44 @@ def test_equal_to_eager_without_overlap_and_lazy(settings):
         terra.config(**old)
     _assert_same(got, eager, f"trip_count {settings}")
     assert stats["case_switches"] > 0, explain
+
+
+def _late_error(Tape, steps=14, bad=10):
+    """Random branch per step; at step `bad` an out-of-range gather after the last sync point
+    (it feeds a variable update only)."""
+    w, u, v = _matrices(3, seed=9)
+    table, shift = tf.Variable([1.0, 2.0, 3.0, 4.0]), tf.Variable(0.0)
+    X = _data(steps)
+    rnd = random.Random(2)
+    losses, errors, at_error = [], [], None
+    for i in range(steps):
+        idx = (np.arange(100) % 4).astype(np.int32)
+        if i == bad:
+            idx[50] = 7
+        try:
+            with Tape() as tape:
+                h = tf.matmul(X[i], w)
+                h = tf.tanh(tf.matmul(h, u)) if rnd.random() < 0.5 else tf.nn.relu(tf.matmul(h, v))
+                loss = tf.reduce_mean(h * h)
+            losses.append(float(loss))
+            _sgd(tape, loss, [w, u, v])
+            shift.assign_add(tf.reduce_sum(tf.gather(table, idx)) * 1e-3)
+        except tf.errors.InvalidArgumentError as e:
+            errors.append(i)
+            if at_error is None:
+                at_error = [x.numpy() for x in (w, u, v, shift)]
+    return losses, errors, at_error
+
+
+def test_graph_error_after_the_last_sync_point():
+    e_losses, e_errors, e_at = _late_error(tf.GradientTape)
+    t_losses, t_errors, t_at = _late_error(tf.TerraGradientTape)
+    terra.end_iteration()
+    explain = terra.explain()
+    assert e_errors == [10]
+    assert len(t_errors) == 1 and t_errors[0] in (10, 11), (t_errors, explain)
+    assert "site graph (switch_case" in explain and terra.stats()["case_switches"] > 0, explain
+    for a, b in zip(t_at, e_at):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    n = len(t_losses)
+    np.testing.assert_allclose(t_losses, e_losses[:n], rtol=1e-5, atol=1e-7)
