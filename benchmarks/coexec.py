@@ -1,10 +1,12 @@
-"""Steady-state step time: eager vs tf.function vs Terra co-execution vs Terra "lazy evaluation".
+"""Steady-state step time: eager vs tf.function vs Terra co-execution (with pipelined iterations,
+and without: `overlap_iterations=False`) vs Terra "lazy evaluation".
 
-    python -m benchmarks.coexec [--steps 30] [--warmup 8] [--quick]
+    python -m benchmarks.coexec [--steps 30] [--warmup 8] [--quick] [--repeats 1]
 
 Two programs written as eager training loops: a CNN (batch 32, 32x32x3, four conv layers) and a
-small transformer encoder. All variants run in the same process, interleaved per round so load
-changes on the shared machine hit them alike. Reports medians and spread (p10/p90) of per-step
+small transformer encoder. All variants run in the same process, one after another (each from a
+fresh `terra.reset()`); `--repeats N` runs that sequence N times and pools the steps, so load
+changes on the shared machine hit every variant alike. Reports medians and spread (p10/p90) of per-step
 wall time after warm-up, Terra's stats (traces, fallbacks, stalls), and the cost of the
 per-iteration variable snapshot. Writes benchmarks/results/coexec.json and coexec.md.
 """
@@ -109,10 +111,8 @@ def run_rounds(prog, names, steps, warmup):
     out = {}
     for name in names:
         terra.reset()
-        if name == "terra (lazy)":
-            terra.config(coexecution=False)
-        else:
-            terra.config(coexecution=True)
+        terra.config(coexecution=name != "terra (lazy)",
+                     overlap_iterations=name != "terra (no overlap)")
         step, (x, y), model, opt = variant(name, builder)
         t_build = time.perf_counter()
         for _ in range(warmup):
@@ -129,7 +129,7 @@ def run_rounds(prog, names, steps, warmup):
         terra.end_iteration()
         rec = {"median_ms": 1e3 * float(np.median(times)), "p10_ms": 1e3 * float(np.percentile(times, 10)),
                "p90_ms": 1e3 * float(np.percentile(times, 90)), "min_ms": 1e3 * float(np.min(times)),
-               "warmup_s": warm_s, "steps": steps}
+               "warmup_s": warm_s, "steps": steps, "times_ms": [1e3 * t for t in times]}
         if name.startswith("terra"):
             rec["stats"] = {k: (after[k] - before[k] if isinstance(after[k], (int, float)) else after[k])
                             for k in after}
@@ -146,15 +146,30 @@ def run_rounds(prog, names, steps, warmup):
         out[name] = rec
         print(f"  {prog:12s} {name:14s} median {rec['median_ms']:8.2f} ms  "
               f"p10 {rec['p10_ms']:8.2f}  p90 {rec['p90_ms']:8.2f}", flush=True)
-    terra.config(coexecution=True)
+    terra.config(coexecution=True, overlap_iterations=True)
     terra.reset()
+    return out
+
+
+def pool(recs):
+    """One record from the same variant's records of several repeats (steps pooled)."""
+    times = [t for r in recs for t in r["times_ms"]]
+    out = dict(recs[-1])
+    out.update(median_ms=float(np.median(times)), p10_ms=float(np.percentile(times, 10)),
+               p90_ms=float(np.percentile(times, 90)), min_ms=float(np.min(times)),
+               steps=len(times), times_ms=times,
+               repeat_medians_ms=[r["median_ms"] for r in recs])
+    if "stats" in recs[-1]:
+        out["stats"] = {k: (sum(r["stats"][k] for r in recs) if isinstance(v, (int, float))
+                            else v) for k, v in recs[-1]["stats"].items()}
     return out
 
 
 def markdown(results, meta) -> str:
     lines = ["# Co-execution benchmark (benchmarks/coexec.py)", "",
-             f"{meta['machine']}; TF {meta['tf']}; {meta['steps']} timed steps after "
-             f"{meta['warmup']} warm-up steps; one process, variants run one after another.", "",
+             f"{meta['machine']}; TF {meta['tf']}; {meta['steps']} timed steps per variant after "
+             f"{meta['warmup']} warm-up steps, in {meta.get('repeats', 1)} repeat(s) of the "
+             f"variant sequence; one process, variants run one after another.", "",
              "| program | variant | median ms | p10 | p90 | vs eager | vs tf.function |",
              "|---|---|---|---|---|---|---|"]
     for prog, res in results.items():
@@ -164,17 +179,24 @@ def markdown(results, meta) -> str:
             lines.append(f"| {prog} | {name} | {r['median_ms']:.2f} | {r['p10_ms']:.2f} | "
                          f"{r['p90_ms']:.2f} | {e / r['median_ms']:.2f}x | "
                          f"{r['median_ms'] / f:.2f} |")
-    lines += ["", "Terra counters over the timed steps (seconds summed over the steps):", "",
-              "| program | variant | traces | fallbacks | python exec s | python stall s | "
-              "graph exec s | graph stall s | snapshot ms/step |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "Terra counters over the timed steps, ms per step (traces and fallbacks: whole "
+              "run, last repeat; overlapped: iterations that ended without waiting for their "
+              "graph):", "",
+              "| program | variant | traces | fallbacks | overlapped | python exec | python stall | "
+              "graph exec | graph stall | snapshot ms (eager call) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for prog, res in results.items():
         for name, r in res.items():
             if "stats" in r:
-                s = r["stats"]
+                s, n = r["stats"], r["steps"]
                 lines.append(f"| {prog} | {name} | {r['stats_total']['traces']} | "
-                             f"{r['stats_total']['fallbacks']} | {s['python_exec_s']:.3f} | "
-                             f"{s['python_stall_s']:.3f} | {s['graph_exec_s']:.3f} | "
-                             f"{s['graph_stall_s']:.3f} | {r.get('snapshot_ms', float('nan')):.2f} |")
+                             f"{r['stats_total']['fallbacks']} | "
+                             f"{s.get('overlapped_iterations', 0)} | "
+                             f"{1e3 * s['python_exec_s'] / n:.2f} | "
+                             f"{1e3 * s['python_stall_s'] / n:.2f} | "
+                             f"{1e3 * s['graph_exec_s'] / n:.2f} | "
+                             f"{1e3 * s['graph_stall_s'] / n:.2f} | "
+                             f"{r.get('snapshot_ms', float('nan')):.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -184,15 +206,20 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="10 steps, 5 warm-up")
     ap.add_argument("--programs", default="cnn,transformer")
+    ap.add_argument("--repeats", type=int, default=1, help="run the variant sequence N times")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.quick:
         args.steps, args.warmup = 10, 5
-    names = ["eager", "tf.function", "terra", "terra (lazy)"]
+    names = ["eager", "tf.function", "terra", "terra (no overlap)", "terra (lazy)"]
     results = {}
     for prog in args.programs.split(","):
-        results[prog] = run_rounds(prog, names, args.steps, args.warmup)
+        runs = [run_rounds(prog, names, args.steps, args.warmup) for _ in range(args.repeats)]
+        results[prog] = {name: pool([r[name] for r in runs]) for name in names}
     meta = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "tf": tf.__version__,
-            "steps": args.steps, "warmup": args.warmup}
+            "steps": args.steps * args.repeats, "warmup": args.warmup,
+            "repeats": args.repeats}
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "coexec.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)

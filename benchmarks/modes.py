@@ -7,8 +7,8 @@ exists):
 - ``terra.config(**options)``: sets global options, read at each tape ``__enter__``. The harness
   calls it before each round of a Terra mode with ``enabled=True`` and ``coexecution`` (False
   serializes PythonRunner and GraphRunner: the lazy evaluation of Table 3.2) and ``xla``
-  (compile compute subgraphs of the generated graph with XLA; the runtime accepts it but does not
-  apply it yet, so ``terra_xla`` is left out of the default modes).
+  (compile the compute spans of the generated graph with XLA; ``terra_xla`` is left out of the
+  default modes because on CPU it made Terra's steps slower, see docs/usage.md).
 - ``terra.stats()``: dict of cumulative, monotonically growing counters since import, with keys
   ``traces, fallbacks, graph_builds`` (counts) and ``python_exec_s, python_stall_s, graph_exec_s,
   graph_stall_s`` (seconds); the harness attributes differences to the mode that ran in between.
@@ -49,7 +49,7 @@ MODES = {m.name: m for m in (
     Mode("terra_xla", "Terra+XLA", "terra", None, (("enabled", True), ("coexecution", True), ("xla", True))),
     Mode("terra_lazy", "Terra LazyEval", "terra", None, (("enabled", True), ("coexecution", False), ("xla", False))),
 )}
-# terra_xla stays runnable on request but out of the default set until the runtime applies XLA.
+# terra_xla is runnable on request (--modes); out of the default set: slower on CPU (docs/usage.md).
 DEFAULT_MODES = ("eager", "function", "function_xla", "terra", "terra_lazy")
 
 

@@ -287,3 +287,141 @@ def resume_tape(gradient_tape) -> None:
 def pause_tape(gradient_tape) -> None:
     """Take a resumed tf.GradientTape off the tape stack again."""
     gradient_tape._pop_tape()
+
+
+# ---- co-execution: tf.function calls as coarse units (terra/runtime/session.py) ----------------
+# Checked by tests/test_tf_private_function_units.py.
+# A `tf.function` call is skipped as a whole in co-execution (TF never sees placeholder
+# arguments, and whether TF calls `__inference_f` or, under a tape, `__forward_f` stops mattering).
+# Its recorded `__forward_f` record is replayed eagerly after a fallback; `AtomicFunction.call_flat`
+# alone would not tell the tapes about it, so the replay also records it the way
+# `ConcreteFunction._call_flat` does, with the forward/backward pair TF cached for that call.
+import weakref as _weakref
+
+from tensorflow.python.eager import record as _record
+from tensorflow.python.eager.polymorphic_function import polymorphic_function as _polymorphic
+
+#: The class of what `tf.function` returns; its `__call__` is routed through the session.
+PolymorphicFunction = _polymorphic.Function
+
+
+def function_runs_eagerly(fn) -> bool:
+    """Whether `tf.config.run_functions_eagerly(True)` makes `fn` run its Python op by op."""
+    return bool(fn._run_functions_eagerly)
+
+
+def could_possibly_record() -> bool:
+    """Whether a gradient tape is active on this thread (TF then may call `__forward_` variants)."""
+    return _record.could_possibly_record()
+
+
+def tape_functions_of(fn, forward_name: str):
+    """The cached forward/backward pair (`_TapeGradientFunctions`) of tf.function `fn` whose
+    forward function is named `forward_name`, or None."""
+    for concrete in list(fn._list_all_concrete_functions()):
+        for cache in (concrete._first_order_tape_functions,
+                      concrete._higher_order_tape_functions):
+            for functions in list(cache.values()):
+                forward = functions._forward
+                if forward is not None and atomic_function_name(forward) == forward_name:
+                    return functions
+    return None
+
+
+class TapeRecordedFunction:
+    """A `__forward_f` AtomicFunction that, called eagerly while a tape may record, marks the
+    variables it reads as accessed and records itself on the tapes with its backward function
+    (as `ConcreteFunction._call_flat` does), so `tape.gradient` after a replay reaches through
+    it. In a graph being built it is a plain call."""
+
+    __slots__ = ("atomic", "functions", "variables")
+
+    def __init__(self, atomic, functions):
+        self.atomic = atomic
+        self.functions = functions
+        # variables passed as arguments, by id of their handle (the replay passes handles)
+        self.variables = _weakref.WeakValueDictionary()
+
+    def add_variable(self, variable) -> None:
+        self.variables[id(variable.handle)] = variable
+
+    @property
+    def name(self):
+        return self.atomic.name
+
+    def call_flat(self, *args):
+        recording = _context.executing_eagerly() and _record.could_possibly_record()
+        if recording:  # tapes watch the trainable variables the function reads, as TF does
+            for v in self.functions._func_graph.variables:
+                _rv.variable_accessed(v)
+            for a in args:
+                v = self.variables.get(id(a))
+                if v is not None and v.handle is a:
+                    _rv.variable_accessed(v)
+        outs = self.atomic.call_flat(*args)
+        if outs and recording:
+            self.functions.record(list(outs), list(args), [])
+        return outs
+
+
+def function_op_types(atomic) -> frozenset:
+    """Op types in AtomicFunction `atomic`'s body and every function it calls (control-flow
+    branches and nested tf.functions are its `children`), to see stateful random or
+    data-dependent-shape ops a function record hides."""
+    types, todo, seen = set(), [atomic], set()
+    while todo:
+        fn = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        types.update(n.op for n in fn.cached_definition.node_def)
+        todo.extend(fn.children)
+    return frozenset(types)
+
+
+def function_outputs_static(atomic) -> bool:
+    """Whether every output of AtomicFunction `atomic` has a fully defined static shape."""
+    return all(t.shape.is_fully_defined() for t in atomic.graph.outputs)
+
+# ---- XLA: what TF's executor ran (terra/runtime/xla.py; tests/test_tf_private_xla.py) ----------
+# A cluster of ops marked with `tf.xla.experimental.jit_scope` runs as one `_XlaRun` op; the ops it
+# compiled no longer appear among the executor's ops. TF's profiler records both, in an XSpace
+# proto whose module lives under tensorflow.tsl (no public path).
+import collections as _collections
+import glob as _glob
+import os as _os
+import re as _re
+import tempfile as _tempfile
+
+from tensorflow.tsl.profiler.protobuf import xplane_pb2 as _xplane_pb2
+
+# Executor op events are named "node_name:OpType"; XLA's own (HLO) events have no such suffix.
+_EXECUTOR_OP_EVENT = _re.compile(r"^[^\s:]+:([A-Za-z_][A-Za-z0-9_]*)$")
+
+
+def executed_op_types(fn) -> "_collections.Counter":
+    """Run `fn()` under TF's profiler; return how often TF's executor ran each op type, on any
+    thread (`_XlaRun` per compiled cluster run; `MatMul`, `_MklMatMul`, ... for ops it ran
+    itself). Raises if no profile was written (e.g. another profiler session is active)."""
+    import tensorflow as _tf
+    with _tempfile.TemporaryDirectory() as logdir:
+        _tf.profiler.experimental.start(logdir)
+        try:
+            fn()
+        finally:
+            _tf.profiler.experimental.stop()
+        files = _glob.glob(_os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            raise RuntimeError("executed_op_types: TF's profiler wrote no XSpace")
+        counts = _collections.Counter()
+        for path in files:
+            space = _xplane_pb2.XSpace()
+            with open(path, "rb") as f:
+                space.ParseFromString(f.read())
+            for plane in space.planes:
+                for line in plane.lines:
+                    for event in line.events:
+                        m = _EXECUTOR_OP_EVENT.match(plane.event_metadata[event.metadata_id].name)
+                        if m:
+                            counts[m.group(1)] += 1
+    return counts

@@ -20,7 +20,9 @@ class Config:
       ends before the next iteration begins).
     max_traces: distinct traces per iteration site before that site stays eager (one warning).
     max_fallbacks: fallbacks per site before it stays eager.
-    xla: compile compute-only subgraphs with XLA (accepted; not applied yet, see docs/usage.md).
+    xla: compile the compute between feed/fetch points of generated graphs with XLA (TF's
+      explicit clustering; channel, random and XLA-less ops stay on TF's executor; results
+      equal eager within XLA's rounding; on CPU not faster, measured in docs/usage.md).
     grappler: run generated graphs with Grappler (faster; results equal eager to about an ulp).
     timeout_s: bound of every internal wait; reaching it raises TerraTimeoutError naming the op.
     verbose: 0 silent, 1 one line per trace/fallback/graph build, 2 also per iteration.

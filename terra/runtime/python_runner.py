@@ -436,13 +436,19 @@ class PythonRunner(hook.Interceptor):
         return ph
 
     # ------------------------------------------------------------------ units
-    def gradient_unit(self, guard) -> Any:
-        """Skip a recorded `tape.gradient` call whose guard is `guard`; returns flat results."""
+    def gradient_unit(self, guard, what: str = "") -> Any:
+        """Skip a recorded coarse unit (`tape.gradient`, or `what`: e.g. a tf.function call)
+        whose guard is `guard`; returns flat results."""
         unit = self.view.units.get(self.pos)
         if unit is None or unit.guard != guard:
             try:
                 if unit is None:
+                    if what:
+                        self._diverge(f"{what} where the path has none", "an op", what)
                     self._diverge("gradient call where the path has none", "an op", "tape.gradient")
+                if what:
+                    self._diverge(f"{what} with another guard", _guard_text(unit.guard),
+                                  _guard_text(guard))
                 self._diverge("gradient of different tensors", unit.guard, guard)
             except Diverged as d:
                 tried = {id(self.iteration.path)}
@@ -454,7 +460,8 @@ class PythonRunner(hook.Interceptor):
                     raise
             unit = self.view.units.get(self.pos)
             if unit is None or unit.guard != guard:
-                self._diverge("gradient call where the path has none", "an op", "tape.gradient")
+                self._diverge(f"{what or 'gradient call'} where the path has none", "an op",
+                              what or "tape.gradient")
         self.last_unit = unit
         for slot in unit.feeds:
             obj = self.view.trace.feed_values[slot]
@@ -479,6 +486,13 @@ class PythonRunner(hook.Interceptor):
 
     def log_fetch(self, ref, how="numpy"):
         self.fetch_log.append(Fetch(ref, self.pos, how))
+
+
+def _guard_text(guard) -> str:
+    """A unit guard for messages: objects by their name, not their repr."""
+    return "(" + ", ".join(getattr(g, "__name__", None) or getattr(g, "name", None) or repr(g)
+                           if not isinstance(g, (tuple, bool, type(None))) else repr(g)
+                           for g in guard) + ")"
 
 
 _RESOURCE = None

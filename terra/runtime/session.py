@@ -22,6 +22,7 @@ which a divergence to another path that made the same choices so far costs no re
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import sys
 import threading
@@ -39,15 +40,18 @@ import numpy as np
 from terra.ir.records import (ConstRef, Feed, FeedRef, OutputRef, TensorSpec, Trace,
                               VariableRef, replace)
 from terra.runtime.channels import FeedChannel, FeedFetchOrder, FetchChannel
+from terra.runtime import xla
 from terra.runtime.errors import TerraRuntimeError
 from terra.runtime.fallback import (ContinuingRecorder, EagerReplay, Snapshot, bind_placeholders,
                                     written_variables)
 from terra.runtime.graph_runner import GraphRunner, op_node_name
 from terra.runtime.placeholders import Placeholder
-from terra.runtime.python_runner import (Diverged, Divergence, GradUnit, PathView, PythonRunner,
-                                         placeholder_ref, user_line)
+from terra.runtime.python_runner import (PAST_END, Diverged, Divergence, GradUnit, PathView,
+                                         PythonRunner, placeholder_ref, user_line)
 from terra.runtime.site_graph import SiteGraph, SiteRun
+from terra.runtime.static_values import StaticValues
 from terra.tracing import hook
+from terra.tracing.recorder import UNSEEDED_RANDOM_OPS
 
 
 # ------------------------------------------------------------------------------------ hook control
@@ -61,21 +65,27 @@ class _ChannelBuilder(replay._Builder):
     """Replay's builder with feeds dequeued from channels and fetches enqueued at their points."""
 
     def __init__(self, trace, graph, order):
-        super().__init__(trace, _LazyFeeds(graph, order))
+        self.spans = xla.Spans(CONFIG.xla)  # XLA scopes per compute span (no-ops without xla)
+        super().__init__(trace, _LazyFeeds(graph, order, self.spans))
         self.graph = graph
         self.order = order
 
     def _emit_fetches(self, at):
-        for ref in self.graph.fetch_at.get(at, ()):
-            self.order.fetch(self.graph.fetch_channels[ref], self.env[(ref.record, ref.index)])
+        refs = self.graph.fetch_at.get(at, ())
+        if refs:
+            self.spans.cut()
+        for ref in refs:
+            with self.spans.channel():
+                self.order.fetch(self.graph.fetch_channels[ref], self.env[(ref.record, ref.index)])
 
     def run(self):
-        for rec in self.trace.records:
-            self._emit_fetches(rec.index)
-            with tf.name_scope(op_node_name(rec.index)):
-                outs = self.function(rec) if rec.route == "function" else self.op(rec)
-            for j, t in enumerate(outs or ()):
-                self.env[(rec.index, j)] = t
+        with self.spans:
+            for rec in self.trace.records:
+                self._emit_fetches(rec.index)
+                with self.spans.compute(), tf.name_scope(op_node_name(rec.index)):
+                    outs = self.function(rec) if rec.route == "function" else self.op(rec)
+                for j, t in enumerate(outs or ()):
+                    self.env[(rec.index, j)] = t
         self._emit_fetches(len(self.trace.records))
         return self.env
 
@@ -83,13 +93,14 @@ class _ChannelBuilder(replay._Builder):
 class _LazyFeeds:
     """`feeds[slot]` dequeues the slot's channel on first use (in trace order)."""
 
-    def __init__(self, graph, order):
-        self.graph, self.order, self.values = graph, order, {}
+    def __init__(self, graph, order, spans):
+        self.graph, self.order, self.spans, self.values = graph, order, spans, {}
 
     def __getitem__(self, slot):
         v = self.values.get(slot)
         if v is None:
-            v = self.values[slot] = self.order.feed(self.graph.feed_channels[slot])
+            with self.spans.channel():
+                v = self.values[slot] = self.order.feed(self.graph.feed_channels[slot])
         return v
 
 
@@ -110,6 +121,15 @@ class PathGraph:
                                                     name=f"terra_fetch{ref.record}_{ref.index}")
             self.fetch_at.setdefault(max(after, ref.record + 1), []).append(ref)
         self.liveouts = tuple(sorted(path.liveouts, key=lambda r: (r.record, r.index)))
+        # Live-outs are fetched too: the next iteration often consumes one right away (inputs
+        # sliced for the next step after the tape's block) and then needs not wait for the run
+        # to end.
+        for ref in self.liveouts:
+            spec = trace.records[ref.record].outputs[ref.index]
+            if ref not in self.fetch_channels and spec.dtype not in ("resource", "variant"):
+                self.fetch_channels[ref] = FetchChannel(
+                    spec.dtype, spec.shape, name=f"terra_fetch{ref.record}_{ref.index}")
+                self.fetch_at.setdefault(len(trace.records), []).append(ref)
         # fetch channel -> elements that finished iterations left in it unread (their runs
         # enqueue them; the next reader skips them first)
         self.stale: dict = {}
@@ -117,7 +137,9 @@ class PathGraph:
 
         def body():
             order = FeedFetchOrder()
-            env = _ChannelBuilder(trace, self, order).run()
+            builder = _ChannelBuilder(trace, self, order)
+            env = builder.run()
+            self.xla_spans = builder.spans.count
             return [env[(r.record, r.index)] for r in liveouts]
 
         self.concrete = tf.function(body, autograph=False).get_concrete_function()
@@ -149,13 +171,17 @@ class PathGraph:
 
 
 class _Runner(GraphRunner):
-    """GraphRunner whose worker thread runs graphs with or without Grappler (config.grappler)."""
+    """GraphRunner that runs graphs with or without Grappler (config.grappler), and with XLA's
+    clusters kept fusable (config.xla), as configured when each run starts."""
 
-    def _worker(self):
-        if CONFIG.grappler:
-            return super()._worker()
-        with tfp.function_call_config(tfp.disable_grappler):
-            return super()._worker()
+    def _call(self, run):
+        if not CONFIG.grappler:
+            with tfp.function_call_config(tfp.disable_grappler):
+                return super()._call(run)
+        if CONFIG.xla:
+            with tfp.function_call_config(xla.keep_fusable):
+                return super()._call(run)
+        return super()._call(run)
 
 
 # ------------------------------------------------------------------------------------ data
@@ -254,6 +280,19 @@ class Path:
     snapshot: Snapshot | None = None
     id: int = 0
     verified: set = field(default_factory=set)   # units whose feeds were seen identical twice
+
+    @functools.cached_property
+    def static(self) -> StaticValues:
+        return StaticValues(self.trace)
+
+    @functools.cached_property
+    def early_feed(self) -> bool:
+        """The path's first feed comes within its first few ops (then its run starts there)."""
+        for rec in self.trace.records[:16]:
+            for a in rec.inputs:
+                if any(isinstance(r, FeedRef) for r in (a if isinstance(a, tuple) else (a,))):
+                    return True
+        return False
 
     def usable_units(self) -> dict:
         return {s: u for s, u in self.units.items() if not u.feeds or s in self.verified}
@@ -396,6 +435,8 @@ class Iteration:
             return
         ch = self.path.graph.feed_channels[slot]
         ch.put(value._terra_materialize() if isinstance(value, Placeholder) else value)
+        if CONFIG.coexecution:
+            self.start_graph()  # (a no-op once started) after the put: no blocked dequeue
 
     def run_failed(self) -> bool:
         r = self.run
@@ -445,6 +486,12 @@ class Iteration:
         """Value of a placeholder of this iteration (a Python sync point)."""
         s = self.session
         with s.internal():
+            if self.mode == "skip":
+                v = self.path.static.get(ref)  # a shape the path fixes: no need to wait
+                if v is not None:
+                    self.runner.log_fetch(ref)
+                    s.static_reads += 1
+                    return v
             if self.mode == "skip" and s.pending:
                 s.collect_pending()  # our run comes after theirs anyway; may fall back
             if self.mode == "skip":
@@ -482,7 +529,10 @@ class Iteration:
                                              self.runner.pos, "value needed by Python that the "
                                              "graph does not fetch"))
                 return self.replayed[(ref.record, ref.index)]
-            if self.pending:
+            if self.pending and self.site_run is None:  # (a site graph's come at collection)
+                v = self._early_liveout(ref)
+                if v is not None:
+                    return v
                 s.collect_pending()
             v = self.outputs.get(ref)
             if v is None:
@@ -491,6 +541,29 @@ class Iteration:
                 raise TerraRuntimeError(f"terra: the value of op #{ref.record} of iteration "
                                         f"{self.number} at {self.site.label} was not kept")
             return v
+
+    def _early_liveout(self, ref):
+        """A value this finished iteration left to the program, read from its fetch channel
+        while its run may still be going (None: not there any more; wait for the run)."""
+        graph = self.path.graph
+        ch = graph.fetch_channels.get(ref)
+        v = self.outputs.get(ref)
+        if v is not None or ch is None or ref in self.fetched or not graph.stale.get(ref):
+            return v
+        s = self.session
+        t = time.perf_counter()
+        try:
+            for _ in range(graph.stale[ref] - 1):  # older iterations' unread values
+                s.runner.fetch(ch, timeout=CONFIG.timeout_s)
+            v = s.runner.fetch(ch, timeout=CONFIG.timeout_s)
+        except tf.errors.OpError:
+            return None  # its run failed: collecting it reports the error
+        finally:
+            s.python_stall_s += time.perf_counter() - t
+        graph.stale[ref] = 0
+        self.fetched.add(ref)
+        self.outputs[ref] = v
+        return v
 
     def switch(self, d: Divergence, at_end: bool = False, tried=None) -> bool:
         """Restart the iteration on another compiled path that agrees with the current one on
@@ -555,7 +628,8 @@ class Iteration:
                     for slot in runner.fed_order:
                         self.put_feed(slot, runner.fed[slot])
                 self.fetched = set()
-                if CONFIG.coexecution or self.fetched:
+                if CONFIG.coexecution and (self.site_run is not None or runner.fed_order or
+                                           not q.early_feed):
                     self.start_graph()
             s.switches += 1
             s._event("switch", self.site, self.number, f"p{cur.id} -> p{q.id} at op #{pos}: "
@@ -764,6 +838,7 @@ class Session:
         self.switches = 0
         self.case_switches = 0
         self.overlapped = 0
+        self.static_reads = 0
         self.python_exec_s = 0.0
         self.python_stall_s = 0.0
         self.iterations = 0
@@ -775,6 +850,8 @@ class Session:
         self._layer_depth = 0
         self.pending: list = []          # finished iterations whose runs are not collected yet
         self.deferred_error = None       # an earlier iteration's error, raised at a sync point
+        self._tape_functions: dict = {}   # forward function name -> TapeRecordedFunction
+        self._function_ops: dict = {}     # function name -> op types in its body
 
     # ---------------------------------------------------------------- helpers
     @contextlib.contextmanager
@@ -828,6 +905,7 @@ class Session:
             hook.install()
             self._installed = True
             _install_optimizer_unit()
+            _install_function_unit()
 
     # ---------------------------------------------------------------- pipelined iterations
     def collect_pending(self, convert: bool = True) -> None:
@@ -904,7 +982,7 @@ class Session:
 
     # ---------------------------------------------------------------- tapes
     def tape_enter(self, tape, frame) -> None:
-        if not CONFIG.enabled:
+        if not CONFIG.enabled or not tf.executing_eagerly():  # in a tf.function: a plain tape
             return
         key = (frame.f_code, frame.f_lasti)
         it = self.iteration
@@ -942,8 +1020,9 @@ class Session:
             sg = site.site_graph
             if sg is not None and CONFIG.site_graph:
                 it.use_site_graph(sg, sg.plan_of(path))
-            if CONFIG.coexecution:
-                it.start_graph()
+            if CONFIG.coexecution and (it.site_run is not None or not path.early_feed):
+                it.start_graph()  # else at the first feed: a feed of another signature (the
+                # next batch has another shape) then switches paths without a run to cancel
             _set_active(it.runner)
             return
         site.phase = "tracing"
@@ -1138,6 +1217,121 @@ class Session:
                                         structure=result)
         return result
 
+    def function_call(self, fn, original, args, kwargs):
+        """A `tf.function` call as one coarse unit, guarded on the function object, its plain
+        Python arguments by value, its tensor arguments by producer (or feed slot), and whether a
+        tape may record. Skip mode returns placeholders for the recorded outputs without calling
+        TF (which would materialize placeholder arguments, and under a tape call `__forward_f`
+        where the path may say otherwise); another guard diverges cleanly before the call."""
+        it = self.iteration
+        if it is None or self._depth or hook.active() is None or not tf.executing_eagerly() \
+                or tfp.function_runs_eagerly(fn):  # Terra's own calls, graphs, eager debugging
+            return original(fn, *args, **kwargs)
+        flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True)
+        if it.mode == "skip" and it.runner.skipping:
+            runner = it.runner
+            mark = len(runner.fed_order)
+            try:
+                with self.internal():
+                    guard = self._function_guard(it, fn, flat)
+                    name = getattr(fn, "__name__", "?")
+                    out = runner.gradient_unit(guard, f"call of tf.function {name}")
+                    unit = runner.last_unit
+                return tf.nest.pack_sequence_as(unit.structure, out, expand_composites=True)
+            except Diverged as d:
+                runner._rollback(mark)
+                if runner.pos >= runner.view.n:  # after the path's last op: the loop is over
+                    with self.internal():
+                        it.finish_past_end(_with_reason(d.divergence, PAST_END))
+                    return original(fn, *_real(args), **_real(kwargs))
+                it.fallback(d.divergence)
+        if it.mode != "tracing" or it.recorder is None or not it.recorder.recording or \
+                it.recorder.in_unit:
+            return original(fn, *args, **kwargs)
+        rec = it.recorder
+        if any(isinstance(x, Placeholder) for x in flat):  # bound after a fallback: tapes
+            args, kwargs = _real(args), _real(kwargs)      # watch their values, not them
+            flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True)
+        start = len(rec.trace.records)
+        result = original(fn, *args, **kwargs)
+        end = len(rec.trace.records)
+        guard = self._function_guard(it, fn, flat)  # after the call: data arguments are feeds now
+        outs = tf.nest.flatten(result, expand_composites=True)
+        refs = [rec.ref_of(t) if isinstance(t, tfp.EagerTensorBase) else None for t in outs]
+        usable = (end > start and not rec.too_long
+                  and not any(isinstance(g, tuple) and g[0] == "external" for g in guard[2:])
+                  and all(r is not None or t is None for r, t in zip(refs, outs)))
+        for r in rec.trace.records[start:end]:
+            if r.route == "function":
+                self._check_function_body(rec.trace, r)
+            if r.route == "function" and r.function.startswith("__forward_"):
+                wrapped = self._tape_functions.get(r.function)
+                if wrapped is None:
+                    functions = tfp.tape_functions_of(fn, r.function)
+                    if functions is None:
+                        usable = False  # a fallback's replay could not record its gradient
+                        continue
+                    wrapped = self._tape_functions[r.function] = tfp.TapeRecordedFunction(
+                        rec.trace.functions[r.function], functions)
+                for ref in r.inputs:
+                    var = rec.trace.variables.get(ref.key) if isinstance(ref, VariableRef) \
+                        else None
+                    if isinstance(var, tfp.BaseResourceVariable):
+                        wrapped.add_variable(var)
+                rec.trace.functions[r.function] = wrapped
+        if usable:
+            composite = len(outs) != len(tf.nest.flatten(result))
+            structure = result if composite else tf.nest.map_structure(lambda _: 0, result)
+            rec.units[start] = GradUnit(start, end, guard, tuple(refs), structure=structure)
+        return result
+
+    def _check_function_body(self, trace, r) -> None:
+        """What the function record `r` hides: a stateful random op (a replayed graph instantiates
+        its kernels anew and draws another sequence than eager) or, with an output whose shape
+        is not static, an op whose output shape depends on data (placeholders would report the
+        traced shape)."""
+        atomic = trace.functions.get(r.function)
+        atomic = getattr(atomic, "atomic", atomic)
+        if atomic is None:
+            return
+        body = self._function_ops.get(r.function)
+        if body is None:
+            body = self._function_ops[r.function] = (tfp.function_op_types(atomic),
+                                                     tfp.function_outputs_static(atomic))
+        types, static = body
+        if types & UNSEEDED_RANDOM_OPS:
+            trace.unseeded_random.append(r.index)
+        if types & DATA_DEPENDENT_SHAPE_OPS and not static:
+            trace.unsupported.append(f"{r.function}: ops with data-dependent output shapes")
+
+    def _function_guard(self, it, fn, flat) -> tuple:
+        """(fn, tape may record, one entry per flat argument). In skip mode a tensor argument
+        that the unit at the runner's position first feeds is fed here (data passed straight to
+        the function)."""
+        unit = it.runner.view.units.get(it.runner.pos) if it.mode == "skip" else None
+        want = unit.guard if unit is not None and len(unit.guard) == len(flat) + 2 and \
+            unit.guard[0] is fn else None
+        out = [fn, tfp.could_possibly_record()]
+        for i, x in enumerate(flat):
+            if want is not None and isinstance(x, Placeholder) and \
+                    placeholder_ref(x, it.runner) is None:
+                x = x._terra_materialize()  # an earlier iteration's value: external data now
+            if isinstance(x, (bool, int, float, str, bytes, type(None))):
+                out.append(("value", type(x).__name__, x))
+                continue
+            if not isinstance(x, (tfp.Tensor, tfp.BaseResourceVariable)) and \
+                    _var_ref(x) is None:
+                out.append(("external", type(x).__name__))
+                continue
+            g = self.guard_ref(it, x)
+            if isinstance(g, tuple) and want is not None and isinstance(want[i + 2], FeedRef) \
+                    and isinstance(x, tfp.EagerTensorBase) and want[i + 2].slot not in \
+                    it.runner.fed:
+                it.runner._feed(want[i + 2].slot, x, x)
+                g = want[i + 2]
+            out.append(g)
+        return tuple(out)
+
     def force_eager(self, what: str) -> None:
         """Something Terra does not compile (e.g. tape.jacobian): run it eagerly, untraced."""
         it = self.iteration
@@ -1157,13 +1351,13 @@ class Session:
         self.traces += 1
         site = it.site
         site.traces += 1
-        why = _uncompilable(trace)
         units = _units_for(trace, rec.units)
+        why = _uncompilable(trace, units)
         sig = path_signature(trace, units)
         path = site.paths.get(sig)
         if path is None and why is None:
             for other in list(site.paths.values()):
-                if other.signature[2] != sig[2] or _uncompilable(other.trace):
+                if other.signature[2] != sig[2] or _uncompilable(other.trace, other.units):
                     continue
                 g = generalize(other.trace, trace)
                 if g is not None:
@@ -1232,7 +1426,9 @@ class Session:
                     f"graph for path p{path.id}: {len(path.trace.records)} ops, "
                     f"{len(path.graph.feed_channels)} feeds, {len(path.graph.fetch_channels)} "
                     f"fetches, {len(path.graph.liveouts)} outputs, "
-                    f"{time.perf_counter() - t:.2f} s")
+                    + (f"XLA scopes over {path.graph.xla_spans} compute spans, "
+                       if path.graph.xla_spans else "")
+                    + f"{time.perf_counter() - t:.2f} s")
         self._build_site_graph(site, number)
 
     def _build_site_graph(self, site, number) -> None:
@@ -1288,7 +1484,7 @@ class Session:
         return {"traces": self.traces, "fallbacks": self.fallbacks,
                 "graph_builds": self.graph_builds, "phase": phase, "path_switches": self.switches,
                 "case_switches": self.case_switches,
-                "overlapped_iterations": self.overlapped,
+                "overlapped_iterations": self.overlapped, "static_reads": self.static_reads,
                 "iterations": self.iterations,
                 "python_exec_s": self.python_exec_s, "python_stall_s": self.python_stall_s,
                 "graph_exec_s": self.runner.exec_seconds, "graph_stall_s": stall}
@@ -1357,6 +1553,35 @@ def _install_optimizer_unit():
     Layer.__call__ = __call__
 
 
+_function_patched = False
+
+
+def _install_function_unit():
+    """Route eager `tf.function` calls through the session (a coarse unit); outside an
+    iteration they run unchanged."""
+    global _function_patched
+    if _function_patched:
+        return
+    cls = tfp.PolymorphicFunction
+    original = cls.__call__
+
+    # AutoGraph converts what is not TF's own code; converting this wrapper (when converted code
+    # calls a tf.function) loses its closure: keep it out, as TF's own `__call__` is
+    @tf.autograph.experimental.do_not_convert
+    def __call__(self, *args, **kwargs):
+        if SESSION.iteration is None or not CONFIG.enabled:
+            return original(self, *args, **kwargs)
+        return SESSION.function_call(self, original, args, kwargs)
+
+    __call__.__wrapped__ = original
+    cls.__call__ = __call__
+    _function_patched = True
+
+
+def _with_reason(d: Divergence, reason: str) -> Divergence:
+    return Divergence(d.location, d.expected, d.observed, d.position, reason)
+
+
 def _real(structure):
     """`structure` with placeholders replaced by their values (the tape knows only those)."""
     if structure is None:
@@ -1389,7 +1614,8 @@ def _units_for(trace, units) -> dict:
 def _unit_feeds(trace, unit):
     """Slots first used inside `unit` (skip mode puts their recorded objects), or None if one of
     them is not an EagerTensor (whose identity, hence value, is stable: TF's cached constants)."""
-    seen = set()
+    # tensors the guard names as feeds (a tf.function's data arguments): the caller feeds them
+    seen = {g.slot for g in unit.guard if isinstance(g, FeedRef)}
     for rec in trace.records[:unit.start]:
         for a in rec.inputs:
             for r in (a if isinstance(a, tuple) else (a,)):
@@ -1415,7 +1641,7 @@ DATA_DEPENDENT_SHAPE_OPS = frozenset({
     "RaggedRange", "StringSplitV2", "SparseFillEmptyRows"})
 
 
-def _uncompilable(trace) -> str | None:
+def _uncompilable(trace, units=None) -> str | None:
     bad = sorted({r.op_type for r in trace.records if r.op_type in DATA_DEPENDENT_SHAPE_OPS})
     if bad:
         return f"ops with data-dependent output shapes ({', '.join(bad)})"
@@ -1423,10 +1649,12 @@ def _uncompilable(trace) -> str | None:
         return "; ".join(sorted(set(trace.unsupported))[:3])
     if trace.unseeded_random:
         return "stateful random op without a Generator"
-    if any(r.route == "function" for r in trace.records):
-        # skip mode cannot keep TF from materializing a tf.function's arguments, and under a
-        # tape TF calls another variant (__forward_) than without one: not a coarse unit yet
-        return "a tf.function call inside the iteration"
+    spans = [(u.start, u.end) for u in (units or {}).values()]
+    if any(r.route == "function" and not any(a <= r.index < b for a, b in spans)
+           for r in trace.records):
+        # only a coarse unit keeps TF from materializing a tf.function's placeholder arguments
+        # and from calling another variant (__forward_ under a tape) than the path recorded
+        return "a tf.function call outside a coarse unit (arguments Terra cannot guard)"
     if any(f.spec.dtype in ("variant", "resource", "string") for f in trace.feeds):
         return "a feed of a type channels cannot carry"
     if not trace.records:

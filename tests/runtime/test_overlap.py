@@ -159,3 +159,41 @@ def test_error_after_the_last_sync_point_surfaces_at_the_next_one(overlap, last)
         if overlap:
             assert "surfaces here" in t_errors[0][1], t_errors
     assert np.all(np.isfinite(np.concatenate([np.ravel(v) for v in t_final])))
+
+
+def _cycling_shapes(Tape, steps=12):
+    """Sequence length cycles per step; inputs are sliced before the tape (the tail of the
+    previous iteration) and the model reads its length with tf.shape and int()."""
+    keras.utils.set_random_seed(4)
+    emb = keras.layers.Embedding(20, 6)
+    pos = keras.layers.Embedding(16, 6)
+    head = keras.layers.Dense(20)
+    opt = keras.optimizers.Adam(0.01)
+    rng = np.random.default_rng(2)
+    batches = [tf.constant(rng.integers(0, 20, (4, n + 1)), tf.int32) for n in (12, 9, 6)]
+    losses, lengths = [], []
+    for i in range(steps):
+        tokens = batches[i % 3]
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        with Tape() as tape:
+            n = tf.shape(inputs)[1]
+            lengths.append(int(n))          # a read the path fixes: no wait for the graph
+            h = emb(inputs) + pos(tf.range(n))[None]
+            logits = head(h)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(targets, logits))
+        variables = emb.trainable_variables + pos.trainable_variables + head.trainable_variables
+        grads = tape.gradient(loss, variables)
+        opt.apply_gradients(zip(grads, variables))
+        losses.append(float(loss))
+    assert lengths == [12, 9, 6] * (steps // 3)
+    return losses, [v.numpy() for v in variables] + [np.asarray(v.numpy()) for v in opt.variables]
+
+
+def test_cycling_shapes_with_inputs_sliced_before_the_tape():
+    eager = _cycling_shapes(tf.GradientTape)
+    got = _cycling_shapes(tf.TerraGradientTape)
+    terra.end_iteration()
+    stats = terra.stats()
+    _assert_same(got, eager)
+    assert stats["graph_builds"] >= 3 and stats["static_reads"] >= 3, terra.explain()
+    assert stats["overlapped_iterations"] >= 3, stats

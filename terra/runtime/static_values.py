@@ -1,0 +1,102 @@
+"""Values of a path that Python may read without waiting for the graph.
+
+A co-executed path is concrete: every feed's shape and dtype is checked against the path's before
+it is put, and the path's constants are part of its signature. So a `Shape` / `Size` / `Rank` of a
+fully defined recorded shape, and small integer or boolean arithmetic over such values and
+constants (the `n = tf.shape(x)[1]; pos[:n]` of a model that reads its sequence length), have the
+same value in every iteration that takes the path. `StaticValues.get(ref)` computes that value
+once (eagerly, on the recorded constants) and caches it; the PythonRunner then answers the read
+at once instead of making it a sync point that waits for the graph. Anything else returns None.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from terra import _tf_private as tfp
+from terra.ir.records import ConstRef, FeedRef, OutputRef, Trace
+from terra.runtime.fallback import EagerReplay
+
+__all__ = ["StaticValues", "STATIC_OPS", "SHAPE_OPS"]
+
+SHAPE_OPS = {
+    "Shape": lambda shape: list(shape),
+    "Size": lambda shape: math.prod(shape),
+    "Rank": lambda shape: len(shape),
+}
+# Pure, deterministic ops that are cheap on the small integer tensors they see here.
+STATIC_OPS = frozenset({
+    "StridedSlice", "Slice", "Pack", "Unpack", "ConcatV2", "Reshape", "ExpandDims", "Squeeze",
+    "Identity", "Cast", "AddV2", "Add", "Sub", "Mul", "FloorDiv", "FloorMod", "Maximum",
+    "Minimum", "Neg", "Range", "Prod", "Sum", "Max", "Min", "Equal", "NotEqual", "Less",
+    "LessEqual", "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr", "LogicalNot", "GatherV2",
+    "BroadcastArgs"})
+_DTYPES = frozenset({"int32", "int64", "bool"})
+_MAX_ELEMENTS = 1024
+
+
+def _refs(arg):
+    return arg if isinstance(arg, tuple) else (arg,)
+
+
+class StaticValues:
+    """Per path: (record, output) -> its iteration-invariant value, or None."""
+
+    def __init__(self, trace: Trace):
+        self.trace = trace
+        self._replay = EagerReplay(trace, {})
+        self._known: dict = {}
+
+    def get(self, ref: OutputRef):
+        key = (ref.record, ref.index)
+        if key in self._known:
+            return self._known[key]
+        self._known[key] = None  # (a cycle cannot happen in a trace; this also caches misses)
+        try:
+            value = self._compute(ref)
+        except (tf.errors.OpError, ValueError, TypeError, KeyError):
+            value = None
+        self._known[key] = value
+        return value
+
+    def _spec_shape(self, ref):
+        if isinstance(ref, OutputRef):
+            return self.trace.records[ref.record].outputs[ref.index].shape
+        if isinstance(ref, FeedRef):
+            return self.trace.feeds[ref.slot].spec.shape
+        if isinstance(ref, ConstRef):
+            return tuple(np.shape(ref.value))
+        return None
+
+    def _compute(self, ref):
+        rec = self.trace.records[ref.record]
+        if rec.route == "function" or any(o.dtype not in _DTYPES for o in rec.outputs):
+            return None
+        want = rec.outputs[ref.index]
+        if want.shape is None or None in want.shape or math.prod(want.shape) > _MAX_ELEMENTS:
+            return None
+        if rec.op_type in SHAPE_OPS:
+            shape = self._spec_shape(rec.inputs[0])
+            if shape is None or None in shape:
+                return None
+            value = tf.constant(SHAPE_OPS[rec.op_type](shape), dtype=want.dtype)
+        elif rec.op_type in STATIC_OPS:
+            for arg in rec.inputs:
+                for r in _refs(arg):
+                    if isinstance(r, OutputRef):
+                        v = self.get(r)
+                        if v is None:
+                            return None
+                        self._replay.env[(r.record, r.index)] = v
+                    elif not isinstance(r, ConstRef):
+                        return None
+            self._replay._run_one(rec, tfp.context(), tfp.execute_module)
+            value = self._replay.env[(rec.index, ref.index)]
+        else:
+            return None
+        if value.dtype.name != want.dtype or tuple(value.shape.as_list()) != tuple(want.shape):
+            return None
+        return value
+
