@@ -529,8 +529,9 @@ class Iteration:
                                              self.runner.pos, "value needed by Python that the "
                                              "graph does not fetch"))
                 return self.replayed[(ref.record, ref.index)]
-            if self.pending and self.site_run is None:  # (a site graph's come at collection)
-                v = self._early_liveout(ref)
+            if self.pending:
+                v = self._early_liveout(ref) if self.site_run is None else \
+                    self._early_site_liveout(ref)
                 if v is not None:
                     return v
                 s.collect_pending()
@@ -541,6 +542,22 @@ class Iteration:
                 raise TerraRuntimeError(f"terra: the value of op #{ref.record} of iteration "
                                         f"{self.number} at {self.site.label} was not kept")
             return v
+
+    def _early_site_liveout(self, ref):
+        """`_early_liveout` on a SiteGraph: this iteration's elements precede those of later
+        runs in the channel, and what it takes now is counted for its collection."""
+        sr, s = self.site_run, self.session
+        if ref not in sr.plan.liveouts or not sr.fetchable(ref):
+            return None
+        t = time.perf_counter()
+        try:
+            v = sr.fetch(s.runner.fetch, ref, CONFIG.timeout_s)
+        except tf.errors.OpError:
+            return None  # its run failed: collecting it reports the error
+        finally:
+            s.python_stall_s += time.perf_counter() - t
+        self.outputs[ref] = v
+        return v
 
     def _early_liveout(self, ref):
         """A value this finished iteration left to the program, read from its fetch channel
