@@ -270,5 +270,10 @@ def test_graph_error_after_the_last_sync_point():
     assert "site graph (switch_case" in explain and terra.stats()["case_switches"] > 0, explain
     for a, b in zip(t_at, e_at):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    n = len(t_losses)
-    np.testing.assert_allclose(t_losses, e_losses[:n], rtol=1e-5, atol=1e-7)
+    # losses read before the error are eager's; raised in iteration 11 (its first sync point,
+    # the program had left iteration 10), that iteration's update never ran
+    np.testing.assert_allclose(t_losses[:11], e_losses[:11], rtol=1e-5, atol=1e-7)
+    if t_errors[0] == 10:
+        np.testing.assert_allclose(t_losses, e_losses, rtol=1e-5, atol=1e-7)
+    else:
+        assert len(t_losses) == len(e_losses) - 1
