@@ -28,6 +28,8 @@ class Config:
     verbose: 0 silent, 1 one line per trace/fallback/graph build, 2 also per iteration.
     max_trace_ops: recording stops (site treated as unsupported) beyond this many ops.
     layer_units: match calls of Keras' built-in layers as one guarded unit each.
+    site_graph: a site with two or more compiled paths runs one lowered graph for all of them
+      (switch_case / while_loop): a branch Python takes is a Case-Select put, not a restart.
     """
     enabled: bool = True
     coexecution: bool = True
@@ -40,13 +42,14 @@ class Config:
     verbose: int = 0
     max_trace_ops: int = 50000
     layer_units: bool = True
+    site_graph: bool = True
 
 
 CONFIG = Config()
 
 _CHECKS = {
     "enabled": (bool,), "coexecution": (bool,), "overlap_iterations": (bool,), "xla": (bool,), "grappler": (bool,),
-    "layer_units": (bool,),
+    "layer_units": (bool,), "site_graph": (bool,),
     "max_traces": (int,), "max_fallbacks": (int,), "verbose": (int,), "max_trace_ops": (int,),
     "timeout_s": (int, float),
 }

@@ -179,6 +179,7 @@ class PythonRunner(hook.Interceptor):
         self._raised = None            # op type whose fast path this runner refused last
         self._frozen_cache: dict = {}
         self.handles: dict = {}        # id(handle) -> (handle, variable) seen this iteration
+        self.advance = None            # called with `pos` after each match (SiteRun.advance)
 
     # ------------------------------------------------------------------ hook callbacks
     def variable_handle(self, variable, handle) -> None:
@@ -270,6 +271,8 @@ class PythonRunner(hook.Interceptor):
             for v, r in zip(inputs, flat):
                 self._match(v, r, rec)
         self.pos = p + 1
+        if self.advance is not None:
+            self.advance(p + 1)
         outs = [self._placeholder(rec, j) for j in range(len(rec.outputs))]
         if route == "fast":
             if not outs:
@@ -464,6 +467,8 @@ class PythonRunner(hook.Interceptor):
             obj = self.view.trace.feed_values[slot]
             self._feed(slot, obj, obj)
         self.pos = unit.end
+        if self.advance is not None:
+            self.advance(unit.end)
         out = []
         for r in unit.result:
             if r is None:

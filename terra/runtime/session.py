@@ -15,8 +15,9 @@ Per site the session goes through phases:
 
 Graph generation here compiles one path (a straight-line trace) into one graph with feed and fetch
 channels; divergence from the path falls back (terra/runtime/fallback.py) and the new trace
-becomes another path. Lowering a whole TraceGraph with switch_case/while_loop is the compiler's
-`lower` pass; this module uses a path per graph until it is wired in.
+becomes another path. A site with two or more compiled paths also gets a SiteGraph
+(terra/runtime/site_graph.py: all paths merged and lowered with switch_case / while_loop), on
+which a divergence to another path that made the same choices so far costs no restart.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ from terra.runtime.graph_runner import GraphRunner, op_node_name
 from terra.runtime.placeholders import Placeholder
 from terra.runtime.python_runner import (PAST_END, Diverged, Divergence, GradUnit, PathView,
                                          PythonRunner, placeholder_ref, user_line)
+from terra.runtime.site_graph import SiteGraph, SiteRun
 from terra.runtime.static_values import StaticValues
 from terra.tracing import hook
 from terra.tracing.recorder import UNSEEDED_RANDOM_OPS
@@ -328,6 +330,8 @@ class Site:
     last_path: Path | None = None
     phase: str = "tracing"
     seen_objects: dict = field(default_factory=dict)
+    site_graph: SiteGraph | None = None   # one graph for all compiled paths (>= 2 of them)
+    site_graph_failed: tuple | None = None  # SiteGraph.key_of the paths whose lowering failed
 
 
 @dataclass(frozen=True)
@@ -366,6 +370,39 @@ class Iteration:
         self.stall = 0.0
         self.replayed: dict = {}
         self.pending = False   # finished, its graph run not yet collected (pipelined)
+        self.site_run: SiteRun | None = None   # set when the iteration drives the site's SiteGraph
+
+    # ---------------------------------------------------------------- graph of the iteration
+    def graph(self):
+        """The graph this iteration runs: the site's SiteGraph or its path's PathGraph."""
+        return self.site_run.graph if self.site_run is not None else self.path.graph
+
+    def snapshot(self) -> Snapshot:
+        return self.site_run.graph.snapshot if self.site_run is not None else self.path.snapshot
+
+    def liveouts(self):
+        return self.site_run.plan.liveouts if self.site_run is not None else \
+            self.path.graph.liveouts
+
+    def use_site_graph(self, graph, plan) -> None:
+        """Drive SiteGraph `graph` along `plan` (None: the path's own PathGraph)."""
+        runner = self.runner
+        if plan is None:
+            self.site_run = None
+            runner.advance = None
+            return
+        self.site_run = SiteRun(graph, plan, runner)
+        runner.advance = self.site_run.advance
+
+    def collect_outputs(self, fetch) -> dict:
+        """Live-out values of a finished site-graph run (taken from their fetch channels)."""
+        sr = self.site_run
+        out = {}
+        for ref in sr.plan.liveouts:
+            if sr.fetchable(ref):
+                out[ref] = sr.fetch(fetch, ref, CONFIG.timeout_s)
+        sr.leave_unread()
+        return out
 
     # ---------------------------------------------------------------- co-execution
     def position(self) -> int:
@@ -394,6 +431,8 @@ class Iteration:
         return False
 
     def put_feed(self, slot, value) -> None:
+        if self.site_run is not None:  # put by the plan's events (runner.advance)
+            return
         ch = self.path.graph.feed_channels[slot]
         ch.put(value._terra_materialize() if isinstance(value, Placeholder) else value)
         if CONFIG.coexecution:
@@ -407,9 +446,15 @@ class Iteration:
         """Stop this iteration's graph run (cancel it, or collect a finished one whose result is
         no longer wanted: the path taken next recomputes, an eager replay reports any error),
         drop its unread fetches and restore the variables it may have written."""
-        if self.run is None:
-            return
         s = self.session
+        if self.run is None:
+            if self.mode == "skip" and self.runner is not None and (
+                    self.runner.fed or self.site_run is not None and self.site_run.done):
+                # lazy mode: nothing ran, but what Python put is queued (on a site graph the
+                # next path would dequeue it)
+                s.collect_pending(convert=False)
+                self.graph().drain()
+            return
         s.collect_pending(convert=False)  # earlier iterations' runs end first (may fail)
         if self.run is None:  # an earlier run failed: ours was cancelled and restored with it
             return
@@ -420,9 +465,9 @@ class Iteration:
                 s.runner.result(timeout=CONFIG.timeout_s, run=self.run)
             except Exception:  # noqa: BLE001 - see the docstring
                 pass
-        self.path.graph.drain()
+        self.graph().drain()
         if self.snap is not None:  # None: the run never started, so it wrote nothing
-            self.path.snapshot.restore(self.snap)
+            self.snapshot().restore(self.snap)
         self.run = None
         self.snap = None
 
@@ -430,12 +475,12 @@ class Iteration:
         """Queue this iteration's run; right before it starts (after every earlier run ended)
         the worker snapshots the variables it may write, for a fallback to restore."""
         if self.run is None:
-            path = self.path
+            graph, snap = self.graph(), self.snapshot()
             self.snap = None
 
             def snapshot():
-                self.snap = path.snapshot.take()
-            self.run = self.session.runner.start(path.graph.concrete, before=snapshot)
+                self.snap = snap.take()
+            self.run = self.session.runner.start(graph.concrete, before=snapshot)
 
     def resolve(self, ref: OutputRef):
         """Value of a placeholder of this iteration (a Python sync point)."""
@@ -450,15 +495,22 @@ class Iteration:
             if self.mode == "skip" and s.pending:
                 s.collect_pending()  # our run comes after theirs anyway; may fall back
             if self.mode == "skip":
-                graph = self.path.graph
-                ch = graph.fetch_channels.get(ref)
+                sr = self.site_run
+                if sr is not None:
+                    ch = sr.fetchable(ref) or None
+                else:
+                    graph = self.path.graph
+                    ch = graph.fetch_channels.get(ref)
                 if ch is not None and ref not in self.fetched:
                     self.start_graph()
                     t = time.perf_counter()
                     try:
-                        for _ in range(graph.stale.pop(ref, 0)):  # earlier runs' unread values
-                            s.runner.fetch(ch, timeout=CONFIG.timeout_s)
-                        v = s.runner.fetch(ch, timeout=CONFIG.timeout_s)
+                        if sr is not None:
+                            v = sr.fetch(s.runner.fetch, ref, CONFIG.timeout_s)
+                        else:
+                            for _ in range(graph.stale.pop(ref, 0)):  # earlier runs' unread
+                                s.runner.fetch(ch, timeout=CONFIG.timeout_s)
+                            v = s.runner.fetch(ch, timeout=CONFIG.timeout_s)
                     except tf.errors.OpError:
                         v = None
                     finally:
@@ -478,7 +530,8 @@ class Iteration:
                                              "graph does not fetch"))
                 return self.replayed[(ref.record, ref.index)]
             if self.pending:
-                v = self._early_liveout(ref)
+                v = self._early_liveout(ref) if self.site_run is None else \
+                    self._early_site_liveout(ref)
                 if v is not None:
                     return v
                 s.collect_pending()
@@ -489,6 +542,22 @@ class Iteration:
                 raise TerraRuntimeError(f"terra: the value of op #{ref.record} of iteration "
                                         f"{self.number} at {self.site.label} was not kept")
             return v
+
+    def _early_site_liveout(self, ref):
+        """`_early_liveout` on a SiteGraph: this iteration's elements precede those of later
+        runs in the channel, and what it takes now is counted for its collection."""
+        sr, s = self.site_run, self.session
+        if ref not in sr.plan.liveouts or not sr.fetchable(ref):
+            return None
+        t = time.perf_counter()
+        try:
+            v = sr.fetch(s.runner.fetch, ref, CONFIG.timeout_s)
+        except tf.errors.OpError:
+            return None  # its run failed: collecting it reports the error
+        finally:
+            s.python_stall_s += time.perf_counter() - t
+        self.outputs[ref] = v
+        return v
 
     def _early_liveout(self, ref):
         """A value this finished iteration left to the program, read from its fetch channel
@@ -517,12 +586,17 @@ class Iteration:
         """Restart the iteration on another compiled path that agrees with the current one on
         every op matched so far (a branch both paths were traced through): cancel the graph,
         restore the variables, start the other graph and feed it what Python fed so far.
-        Placeholders keep their refs (the prefixes are equal). False if there is none."""
+        Placeholders keep their refs (the prefixes are equal). False if there is none.
+
+        On a SiteGraph, a path whose plan agrees with the current one before op `pos` (same
+        nodes, same selects, conds and feeds put) is taken without touching the run: a seamless
+        switch (`case_switches`)."""
         runner, cur, pos = self.runner, self.path, self.runner.pos
         prefix = cur.signature[0][:pos]
         fed_specs = [cur.trace.feeds[sl].spec for sl in sorted(runner.fed)]
         tried = set() if tried is None else tried
         tried.add(id(cur))
+        candidates = []
         for q in self.site.paths.values():
             if id(q) in tried or q.graph is None or q.stale or q.view is None:
                 continue
@@ -536,6 +610,24 @@ class Iteration:
             if {u.start for u in cur.units.values() if u.end <= pos} != \
                     {u.start for u in q.units.values() if u.end <= pos}:
                 continue
+            candidates.append(q)
+        sr = self.site_run
+        if sr is not None:
+            sg = sr.graph
+            for q in candidates:
+                plan = sg.plan_of(q)
+                if plan is not None and sr.done == sr.plan.count_before(pos) and \
+                        sr.plan.agrees(plan, pos):
+                    tried.add(id(q))
+                    sr.plan = plan
+                    self.path = q
+                    runner.view = q.view
+                    s = self.session
+                    s.case_switches += 1
+                    s._event("case_switch", self.site, self.number, f"p{cur.id} -> p{q.id} at "
+                             f"op #{pos} in the site graph: {d.reason}", d.location)
+                    return True
+        for q in candidates:
             tried.add(id(q))
             s = self.session
             with s.internal():
@@ -545,10 +637,16 @@ class Iteration:
                 self.run = None
                 self.path = q
                 runner.view = q.view
-                for slot in runner.fed_order:
-                    self.put_feed(slot, runner.fed[slot])
+                sg = sr.graph if sr is not None else None
+                self.use_site_graph(sg, sg.plan_of(q) if sg is not None else None)
+                if self.site_run is not None:
+                    self.site_run.advance(pos)
+                else:
+                    for slot in runner.fed_order:
+                        self.put_feed(slot, runner.fed[slot])
                 self.fetched = set()
-                if CONFIG.coexecution and (runner.fed_order or not q.early_feed):
+                if CONFIG.coexecution and (self.site_run is not None or runner.fed_order or
+                                           not q.early_feed):
                     self.start_graph()
             s.switches += 1
             s._event("switch", self.site, self.number, f"p{cur.id} -> p{q.id} at op #{pos}: "
@@ -564,6 +662,7 @@ class Iteration:
         s.count_fallback(self, d)
         with s.internal():
             self.abandon_run()
+            self.use_site_graph(None, None)
             self.mode = "done"  # until the replay succeeded
             watches: dict = {}
             pre_watch: dict = {}
@@ -635,16 +734,25 @@ class Iteration:
             s.collect_pending()  # at most one iteration in flight; may fall back (and raise)
             if self.mode != "skip":
                 return
+        sr = self.site_run
+        if sr is not None:
+            with s.internal():
+                ended = sr.finish()  # the choices known only at the end
+            if not ended:
+                self.fallback(Divergence(user_line(), "every feed put", "a feed never supplied",
+                                         self.runner.pos, "iteration ended before a feed"))
+                return
         if CONFIG.coexecution and CONFIG.overlap_iterations:
             with s.internal():
                 self.start_graph()
-                missing = _kept_unresolved(self.runner.placeholders, set(self.path.graph.liveouts))
+                missing = _kept_unresolved(self.runner.placeholders, set(self.liveouts()))
             if missing:
                 self.fallback(Divergence(user_line(), "values kept by the graph",
                                          f"%{missing[0].record} kept by the program",
                                          self.runner.pos, "value kept past the iteration"))
                 return
-            self.path.graph.leave_unread(self.fetched)
+            if sr is None:
+                self.path.graph.leave_unread(self.fetched)
             self.runner.placeholders = {}
             self.pending = True
             s.pending.append(self)
@@ -656,17 +764,25 @@ class Iteration:
             try:
                 outs = s.runner.result(timeout=CONFIG.timeout_s, run=self.run)
             except tf.errors.OpError:
-                outs = None
+                outs = _FAILED
             finally:
                 dt = time.perf_counter() - t
                 self.stall += dt
                 s.python_stall_s += dt
-            if outs is None:
+            if outs is _FAILED:
                 self.fallback(Divergence(user_line(), "a value", "a graph error",
                                          self.runner.pos, "graph error"))
                 return
-            self.outputs = dict(zip(self.path.graph.liveouts, outs))
-            self.path.graph.drain(self.fetched)
+            if sr is not None:
+                try:
+                    self.outputs = self.collect_outputs(s.runner.fetch)
+                except tf.errors.OpError:  # the run finished: an element missing is a bug
+                    raise TerraRuntimeError("terra: a finished site-graph run did not fetch "
+                                            "every live-out value") from None
+                sr.graph.drain()
+            else:
+                self.outputs = dict(zip(self.path.graph.liveouts, outs))
+                self.path.graph.drain(self.fetched)
             missing = _kept_unresolved(self.runner.placeholders, self.outputs)
             if missing:
                 self.fallback(Divergence(user_line(), "values kept by the graph",
@@ -674,6 +790,9 @@ class Iteration:
                                          self.runner.pos, "value kept past the iteration"))
                 return
             self.runner.placeholders = {}
+
+
+_FAILED = object()  # a run's result when it raised (a site graph's function returns None)
 
 
 def _kept_unresolved(placeholders: dict, outputs: dict) -> list:
@@ -734,6 +853,7 @@ class Session:
         self.fallbacks = 0
         self.graph_builds = 0
         self.switches = 0
+        self.case_switches = 0
         self.overlapped = 0
         self.static_reads = 0
         self.python_exec_s = 0.0
@@ -776,6 +896,10 @@ class Session:
 
     def _error_context(self, index):
         it = self.iteration
+        if it is not None and it.site_run is not None:  # site-graph ops are named by node id
+            index = it.site_run.plan.first_record.get(index)
+            if index is None:
+                return None
         if it is None or it.path is None or index >= len(it.path.trace.records):
             return None
         rec = it.path.trace.records[index]
@@ -829,12 +953,16 @@ class Session:
             with self.internal():
                 outs = self.runner.result(timeout=CONFIG.timeout_s, run=it.run)
         except tf.errors.OpError:
-            outs = None
+            outs = _FAILED
         finally:
             self.pending.remove(it)
             it.pending = False
-        if outs is not None:
-            it.outputs = dict(zip(it.path.graph.liveouts, outs))
+        if outs is not _FAILED:
+            if it.site_run is not None:
+                with self.internal():
+                    it.outputs = it.collect_outputs(self.runner.fetch)
+            else:
+                it.outputs = dict(zip(it.path.graph.liveouts, outs))
             return
         with self.internal():
             cur = self.iteration
@@ -843,7 +971,7 @@ class Session:
             self.runner.cancel(timeout=CONFIG.timeout_s, first=it.run)
             for x in reversed(later):  # newest first: back to the failed iteration's start
                 if x.snap is not None:
-                    x.path.snapshot.restore(x.snap)
+                    x.snapshot().restore(x.snap)
                 x.run, x.snap = None, None
             for x in later:
                 if x in self.pending:
@@ -852,14 +980,14 @@ class Session:
             for g in self._graphs:
                 g.drain()
             if it.snap is not None:
-                it.path.snapshot.restore(it.snap)
+                it.snapshot().restore(it.snap)
             rp = EagerReplay(it.path.trace, it.runner.fed)
             try:
                 rp.run(len(it.path.trace.records))
                 error = None
             except tf.errors.OpError as e:
                 error = e
-            it.outputs = {r: rp.env[(r.record, r.index)] for r in it.path.graph.liveouts
+            it.outputs = {r: rp.env[(r.record, r.index)] for r in it.liveouts()
                           if (r.record, r.index) in rp.env}
         self.fallbacks += 1
         it.site.fallbacks += 1
@@ -906,7 +1034,10 @@ class Session:
             it.mode = "skip"
             it.path = path
             it.runner = PythonRunner(it, path.view)
-            if CONFIG.coexecution and not path.early_feed:
+            sg = site.site_graph
+            if sg is not None and CONFIG.site_graph:
+                it.use_site_graph(sg, sg.plan_of(path))
+            if CONFIG.coexecution and (it.site_run is not None or not path.early_feed):
                 it.start_graph()  # else at the first feed: a feed of another signature (the
                 # next batch has another shape) then switches paths without a run to cancel
             _set_active(it.runner)
@@ -1315,6 +1446,36 @@ class Session:
                     + (f"XLA scopes over {path.graph.xla_spans} compute spans, "
                        if path.graph.xla_spans else "")
                     + f"{time.perf_counter() - t:.2f} s")
+        self._build_site_graph(site, number)
+
+    def _build_site_graph(self, site, number) -> None:
+        """(Re)build the site's SiteGraph over its compiled paths when there are two or more
+        (one path keeps its cheaper PathGraph). A lowering that fails leaves the site on
+        PathGraphs (said in explain())."""
+        if not CONFIG.site_graph:
+            return
+        paths = [p for p in site.paths.values() if p.graph is not None and not p.stale and
+                 p.view is not None]
+        if len(paths) < 2:
+            return
+        key = SiteGraph.key_of(paths)
+        if site.site_graph is not None and site.site_graph.built_for == key or \
+                site.site_graph_failed == key:
+            return
+        try:
+            with self.internal():
+                sg = SiteGraph(paths)
+        except Exception as e:  # noqa: BLE001 - the PathGraphs still run every path
+            site.site_graph_failed = key
+            self._event("graph_build", site, number, f"no site graph for {len(paths)} paths: "
+                        f"{type(e).__name__}: {str(e)[:200]}; paths switch by restarting")
+            return
+        site.site_graph = sg
+        self._graphs.append(sg)
+        self.graph_builds += 1
+        self._event("graph_build", site, number, f"site graph (switch_case / while_loop) for "
+                    f"{sg.describe()}, {sg.build_seconds:.2f} s; branches switch without a "
+                    f"restart")
 
     # ---------------------------------------------------------------- public
     def end(self) -> None:
@@ -1339,6 +1500,7 @@ class Session:
             stall = sum(g.stall_seconds for g in self._graphs)
         return {"traces": self.traces, "fallbacks": self.fallbacks,
                 "graph_builds": self.graph_builds, "phase": phase, "path_switches": self.switches,
+                "case_switches": self.case_switches,
                 "overlapped_iterations": self.overlapped, "static_reads": self.static_reads,
                 "iterations": self.iterations,
                 "python_exec_s": self.python_exec_s, "python_stall_s": self.python_stall_s,
@@ -1349,7 +1511,9 @@ class Session:
         for site in self.sites.values():
             state = f"eager ({site.eager_reason})" if site.eager_reason else site.phase
             lines.append(f"site {site.label}: {site.traces} traces, {len(site.paths)} paths, "
-                         f"{site.fallbacks} fallbacks, {state}")
+                         f"{site.fallbacks} fallbacks, {state}" +
+                         (f", site graph over {len(site.site_graph.paths)} paths"
+                          if site.site_graph is not None and CONFIG.site_graph else ""))
         return "\n".join(lines) if lines else "terra: nothing has run yet"
 
     def reset(self) -> None:

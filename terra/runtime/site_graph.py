@@ -1,0 +1,220 @@
+"""One lowered graph for every compiled path of a site, driven by skip mode.
+
+A `PathGraph` runs one straight-line trace: when Python takes another branch the session must
+cancel the run, restore the variables and restart another graph. A `SiteGraph` merges the
+representative traces of all compiled paths of the site into one TraceGraph and lowers it
+(terra/compiler/lower.py: `switch_case` on Case-Select feeds, `while_loop` on Loop-Cond feeds),
+so a branch Python takes costs a Case-Select put instead of a restart.
+
+The Python side follows `terra.compiler.drive.plan` (docs/lowering.md, "The Python side"): per
+path, the events (selects, loop conds, feeds) are precomputed with the record index `at` where
+Python knows them. Skip mode matches ops against the predicted path as with a PathGraph; after
+each matched record a `SiteRun` performs the events with `at` below the runner's position; the
+events at the end are performed when the iteration finishes. Two paths whose records and events
+agree before op k have put the same values into the graph: at a divergence at op k the session
+swaps the plan and goes on without touching the run (`Session.case_switches`).
+
+Live-outs (values the program keeps past the iteration) are fetch points at the end of the trace
+(the lowered function returns nothing). A fetch channel receives one element per visit of its
+node; a `SiteRun` counts what it took per channel, keeps the values of skipped elements (a later
+read of an earlier visit finds them), and leaves the rest to the next reader (`SiteGraph.stale`,
+as `PathGraph.stale`).
+"""
+from __future__ import annotations
+
+import bisect
+import time
+
+from terra.compiler.drive import _Planner
+from terra.compiler.lower import lower
+from terra.compiler.merge import merge
+from terra.ir.records import Fetch, Trace
+from terra.runtime.fallback import Snapshot, written_variables
+from terra.runtime.placeholders import Placeholder
+
+__all__ = ["SiteGraph", "SitePlan", "SiteRun"]
+
+
+def _with_liveout_fetches(path) -> Trace:
+    """The path's trace with its fetch points and live-outs as `Fetch` entries."""
+    t = path.trace
+    n = len(t.records)
+    fetches = {}
+    for ref, after in path.fetch_points.items():
+        fetches[ref] = Fetch(ref, max(after, ref.record + 1), "numpy")
+    for ref in path.liveouts:
+        if ref not in fetches:
+            fetches[ref] = Fetch(ref, n, "liveout")
+    ordered = sorted(fetches.values(), key=lambda f: (f.after_record, f.ref.record, f.ref.index))
+    return Trace(t.site, list(t.records), list(t.feeds), list(t.feed_values), ordered,
+                 dict(t.variables), list(t.unsupported), dict(t.functions),
+                 list(t.unseeded_random), list(t.fast_fallbacks))
+
+
+class SitePlan:
+    """What skip mode does on one path of a SiteGraph.
+
+    actions   (at, kind, channel, value) in Python's order; kind "put" puts `value`, kind "feed"
+              puts the value Python supplied for feed slot `value`.
+    sig       the events as comparable tuples (kind, key, value, at), same order.
+    where     (record, output) -> (fetch key, visit) for every output whose node is fetched.
+    visits    fetch key -> elements one run on this path enqueues (visits of the node).
+    nodes     node id per record (two paths agree on a prefix only if it maps to the same nodes).
+    """
+
+    def __init__(self, lowered, trace: Trace, path):
+        p = _Planner(lowered, trace)
+        events = [ev for ev in p.run() if ev.kind != "get"]
+        self.path = path
+        self.n = len(trace.records)
+        self.liveouts = frozenset(path.liveouts)
+        self.sig = [(ev.kind, ev.key, ev.value, ev.at) for ev in events]
+        self.ats = [ev.at for ev in events]
+        self.actions = []
+        for ev in events:
+            if ev.kind == "select":
+                self.actions.append((ev.at, "put", lowered.case_selects[ev.key], ev.value))
+            elif ev.kind == "cond":
+                self.actions.append((ev.at, "put", lowered.loop_conds[ev.key], ev.value))
+            else:
+                self.actions.append((ev.at, "feed", lowered.feeds[ev.key], ev.value))
+        self.nodes = [p.rec_node.get(r) for r in range(self.n)]
+        self.where, self.visits = {}, {}
+        for key in lowered.fetches:
+            node = p.node.get(key[0])
+            recs = sorted(node.seen.get(p.tid, ())) if node is not None else []
+            self.visits[key] = len(recs)
+            for visit, r in enumerate(recs):
+                if key[1] < len(trace.records[r].outputs):
+                    self.where[(r, key[1])] = (key, visit)
+        self.first_record = {}
+        for r, node in enumerate(self.nodes):
+            self.first_record.setdefault(node, r)
+
+    def count_before(self, pos: int) -> int:
+        """How many events Python performs before matching record `pos`."""
+        return bisect.bisect_left(self.ats, pos)
+
+    def agrees(self, other: "SitePlan", pos: int) -> bool:
+        """Both paths map records [0, pos) to the same nodes and put the same values so far."""
+        k = self.count_before(pos)
+        return k == other.count_before(pos) and self.sig[:k] == other.sig[:k] and \
+            self.nodes[:pos] == other.nodes[:pos]
+
+
+class SiteGraph:
+    """The lowered graph of a site's compiled paths; `plans[id(path)]` drives one path."""
+
+    def __init__(self, paths, timed: bool = True):
+        t0 = time.perf_counter()
+        self.paths = list(paths)
+        traces = [_with_liveout_fetches(p) for p in self.paths]
+        g = None
+        for t in traces:
+            g = merge(g, t)
+        self.lowered = lower(g, traces, timed=timed)
+        self.concrete = self.lowered.function
+        self.plans = {id(p): SitePlan(self.lowered, t, p) for p, t in zip(self.paths, traces)}
+        variables, seen = [], set()
+        for p in self.paths:
+            for v in written_variables(p.trace):
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    variables.append(v)
+        self.snapshot = Snapshot(variables)
+        self.built_for = self.key_of(self.paths)
+        # fetch key -> elements finished iterations left unread (the next reader skips them)
+        self.stale: dict = {}
+        self.build_seconds = time.perf_counter() - t0
+
+    @staticmethod
+    def key_of(paths) -> tuple:
+        """What the graph depends on: each path with the live-outs and fetch points it had."""
+        return tuple((id(p), frozenset(p.liveouts), frozenset(p.fetch_points)) for p in paths)
+
+    def plan_of(self, path):
+        return self.plans.get(id(path))
+
+    def drain(self, fetched=None) -> None:
+        """Empty every channel (no run of this graph pending or running)."""
+        self.lowered.drain()
+        self.stale = {}
+
+    @property
+    def stall_seconds(self) -> float:
+        return sum(ch.stall_seconds for ch in self.lowered.feed_channels())
+
+    def describe(self) -> str:
+        s = self.lowered.stats
+        return (f"{len(self.paths)} paths (" + ", ".join(f"p{p.id}" for p in self.paths) +
+                f"), {s.get('tf_ops', '?')} TF ops, {s.get('switch_case_ops', 0)} switch_case, "
+                f"{s.get('while_ops', 0)} while, {len(self.lowered.feeds)} feeds, "
+                f"{len(self.lowered.case_selects)} case selects, "
+                f"{len(self.lowered.loop_conds)} loop conds, {len(self.lowered.fetches)} fetches")
+
+
+class SiteRun:
+    """One iteration's Python side on a SiteGraph: events performed, elements taken."""
+
+    __slots__ = ("graph", "plan", "runner", "done", "taken", "values")
+
+    def __init__(self, graph: SiteGraph, plan: SitePlan, runner):
+        self.graph, self.plan, self.runner = graph, plan, runner
+        self.done = 0          # events of `plan` performed
+        self.taken: dict = {}  # fetch key -> elements taken this iteration
+        self.values: dict = {}  # (fetch key, visit) -> value taken
+
+    def advance(self, pos: int) -> bool:
+        """Perform the events Python knows once records [0, pos) are matched. False if a feed
+        slot's value is not known yet (the event waits for the next call)."""
+        actions, i, fed = self.plan.actions, self.done, self.runner.fed
+        n = len(actions)
+        while i < n:
+            at, kind, ch, value = actions[i]
+            if at >= pos:
+                break
+            if kind == "feed":
+                if value not in fed:
+                    self.done = i
+                    return False
+                value = fed[value]
+                if isinstance(value, Placeholder):
+                    value = value._terra_materialize()
+            ch.put(value)
+            i += 1
+        self.done = i
+        return True
+
+    def finish(self) -> bool:
+        """Perform the events at the end of the iteration; False if some could not be."""
+        return self.advance(self.plan.n + 1) and self.done == len(self.plan.actions)
+
+    def fetchable(self, ref) -> bool:
+        return (ref.record, ref.index) in self.plan.where
+
+    def fetch(self, fetch, ref, timeout):
+        """Value of output `ref` of this iteration; `fetch(channel, timeout)` takes an element."""
+        key, visit = self.plan.where[(ref.record, ref.index)]
+        v = self.values.get((key, visit))
+        if v is not None:
+            return v
+        ch = self.graph.lowered.fetches[key]
+        for _ in range(self.graph.stale.pop(key, 0)):  # earlier iterations' unread elements
+            fetch(ch, timeout)
+        taken = self.taken.get(key, 0)
+        while taken <= visit:
+            v = fetch(ch, timeout)
+            self.values[(key, taken)] = v
+            taken += 1
+            self.taken[key] = taken
+        return self.values[(key, visit)]
+
+    def leave_unread(self) -> None:
+        """The run enqueues one element per visit: what this iteration did not take is skipped
+        by the next reader of the channel."""
+        stale = self.graph.stale
+        for key, n in self.plan.visits.items():
+            left = n - self.taken.get(key, 0)
+            if left > 0:
+                stale[key] = stale.get(key, 0) + left
+        self.taken = {key: n for key, n in self.plan.visits.items()}

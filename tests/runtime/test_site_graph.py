@@ -1,0 +1,279 @@
+"""Sites with several compiled paths run one lowered graph (terra/runtime/site_graph.py).
+
+Each program takes a different path from one iteration to the next (a Python-random choice of
+model branch, a data-dependent early exit, a generator of varying length, a loop with a varying
+trip count). Each must equal eager (per-step losses, final variables) with `site_graph` on and
+off; with it on, branches are taken by Case-Select / Loop-Cond puts (`case_switches`) and the
+graph is restarted (`path_switches`) less often than with it off."""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import random  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import terra  # noqa: E402
+from terra.runtime.session import SESSION  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    terra.reset()
+    old = terra.config(site_graph=True)
+    yield
+    terra.reset()
+    terra.config(**old)
+
+
+def _data(steps, shape=(8, 4), seed=1):
+    return np.random.default_rng(seed).normal(size=(steps,) + shape).astype(np.float32)
+
+
+def _matrices(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [tf.Variable(rng.normal(size=(4, 4)).astype(np.float32) * 0.5) for _ in range(n)]
+
+
+def _sgd(tape, loss, variables, lr=0.05):
+    grads = tape.gradient(loss, variables)
+    for v, g in zip(variables, grads):
+        if g is not None:
+            v.assign_sub(lr * g)
+
+
+# ------------------------------------------------------------------------------------ programs
+def random_branch(Tape, steps=24):
+    """A Keras trunk, then one of three heads chosen by Python's `random` per step."""
+    keras.utils.set_random_seed(3)
+    trunk = keras.layers.Dense(6, activation="tanh")
+    heads = [keras.layers.Dense(1), keras.layers.Dense(1, activation="sigmoid"),
+             keras.Sequential([keras.layers.Dense(3, activation="relu"), keras.layers.Dense(1)])]
+    inp = keras.Input((4,))
+    for h in heads:
+        h(trunk(inp))
+    opt = keras.optimizers.SGD(0.05)
+    X, Y = _data(steps), _data(steps, (8, 1), seed=2)
+    rnd = random.Random(7)
+    variables = trunk.trainable_variables + [v for h in heads for v in h.trainable_variables]
+    opt.build(variables)
+    losses = []
+    for i in range(steps):
+        with Tape() as tape:
+            head = heads[rnd.randrange(3)]
+            out = head(trunk(X[i]))
+            loss = tf.reduce_mean((out - Y[i]) ** 2)
+        grads = tape.gradient(loss, variables)
+        opt.apply_gradients([(g, v) for g, v in zip(grads, variables) if g is not None])
+        losses.append(float(loss))
+    return losses, [v.numpy() for v in variables]
+
+
+def early_exit(Tape, steps=24):
+    """A Python loop of ops that stops when the activations (read by Python) get large."""
+    w, u = _matrices(2)
+    X = _data(steps) * np.array([0.3, 1.0, 3.0], np.float32)[np.arange(steps) % 3, None, None]
+    losses = []
+    for i in range(steps):
+        with Tape() as tape:
+            h = tf.matmul(X[i], w)
+            for _ in range(4):
+                h = h + tf.tanh(tf.matmul(h, u))
+                if float(tf.reduce_max(tf.abs(h))) > 3.0:
+                    break
+            loss = tf.reduce_mean(h * h)
+        _sgd(tape, loss, [w, u], 0.01)
+        losses.append(float(loss))
+    return losses, [w.numpy(), u.numpy()]
+
+
+def chunks(x, n):
+    for j in range(n):
+        yield x[j]
+
+
+def generator(Tape, steps=24):
+    """A generator yields a random number of data rows; each goes through the model."""
+    w, u = _matrices(2, seed=4)
+    X = _data(steps, (5, 4))
+    rnd = random.Random(11)
+    losses = []
+    for i in range(steps):
+        with Tape() as tape:
+            loss = tf.constant(0.0)
+            for row in chunks(X[i], rnd.choice([2, 3, 4])):
+                h = tf.tanh(tf.matmul(row[None, :], w))
+                loss = loss + tf.reduce_sum(tf.matmul(h, u) ** 2)
+        _sgd(tape, loss, [w, u])
+        losses.append(float(loss))
+    return losses, [w.numpy(), u.numpy()]
+
+
+def trip_count(Tape, steps=24):
+    """A loop of ops whose trip count Python draws per step."""
+    w, u = _matrices(2, seed=5)
+    X = _data(steps)
+    rnd = random.Random(5)
+    losses = []
+    for i in range(steps):
+        with Tape() as tape:
+            h = tf.matmul(X[i], w)
+            for _ in range(rnd.choice([1, 2, 3])):
+                h = tf.tanh(tf.matmul(h, u)) + h
+            loss = tf.reduce_mean(h * h)
+        _sgd(tape, loss, [w, u], 0.01)
+        losses.append(float(loss))
+    return losses, [w.numpy(), u.numpy()]
+
+
+PROGRAMS = {"random_branch": random_branch, "early_exit": early_exit, "generator": generator,
+            "trip_count": trip_count}
+
+
+def _assert_same(got, eager, what):
+    np.testing.assert_allclose(got[0], eager[0], rtol=1e-5, atol=1e-7, err_msg=f"{what}: losses")
+    for a, b in zip(got[1], eager[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=f"{what}: variables")
+
+
+def _terra_run(program, site_graph):
+    terra.reset()
+    terra.config(site_graph=site_graph)
+    got = program(tf.TerraGradientTape)
+    terra.end_iteration()
+    return got, terra.stats(), terra.explain()
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_equal_to_eager_and_switches_without_restart(name):
+    program = PROGRAMS[name]
+    eager = program(tf.GradientTape)
+    assert len(set(np.round(eager[0], 6))) > 1
+    off, stats_off, explain_off = _terra_run(program, False)
+    _assert_same(off, eager, f"{name} site_graph=False")
+    on, stats_on, explain_on = _terra_run(program, True)
+    _assert_same(on, eager, f"{name} site_graph=True")
+    assert "site graph" not in explain_off
+    assert "site graph (switch_case / while_loop) for" in explain_on, explain_on
+    assert stats_off["case_switches"] == 0
+    assert stats_on["case_switches"] > 0, explain_on
+    assert stats_on["path_switches"] < stats_off["path_switches"], (stats_on, stats_off,
+                                                                   explain_on)
+    # most iterations ran in co-execution: the site graph covers every path taken
+    assert stats_on["fallbacks"] <= stats_off["fallbacks"], (explain_on, explain_off)
+
+
+def test_one_path_keeps_its_path_graph():
+    """A site with one compiled path builds no site graph."""
+    w, u = _matrices(2)
+    X = _data(6)
+    for i in range(6):
+        with tf.TerraGradientTape() as tape:
+            loss = tf.reduce_mean(tf.matmul(tf.matmul(X[i], w), u) ** 2)
+        _sgd(tape, loss, [w, u])
+        float(loss)
+    terra.end_iteration()
+    assert "site graph" not in terra.explain()
+    assert terra.stats()["graph_builds"] == 1
+    assert all(s.site_graph is None for s in SESSION.sites.values())
+
+
+def test_kept_values_and_reads_of_earlier_visits():
+    """Values kept past the iteration come from the site graph's fetch channels; reading an
+    earlier visit of a node after a later one finds the value taken on the way."""
+    w = _matrices(1, seed=8)[0]
+    X = _data(16)
+    rnd = random.Random(3)
+
+    def run(Tape):
+        w.assign(_matrices(1, seed=8)[0])
+        kept, read = [], []
+        for i in range(16):
+            with Tape() as tape:
+                hs = [tf.matmul(X[i], w)]
+                for _ in range(rnd.choice([2, 3])):
+                    hs.append(tf.tanh(hs[-1]) * 1.1)
+                loss = tf.reduce_mean(hs[-1] ** 2)
+            _sgd(tape, loss, [w])
+            read.append([float(tf.reduce_sum(h)) for h in reversed(hs[1:])])
+            kept.append(hs[1])
+        return read, [k.numpy() for k in kept], w.numpy()
+
+    rnd.seed(3)
+    eager = run(tf.GradientTape)
+    rnd.seed(3)
+    got = run(tf.TerraGradientTape)
+    terra.end_iteration()
+    for a, b in zip(got[0], eager[0]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got[1], eager[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[2], eager[2], rtol=1e-5, atol=1e-7)
+    assert terra.stats()["case_switches"] > 0, terra.explain()
+
+
+def test_config_site_graph_is_a_bool():
+    with pytest.raises(TypeError, match="site_graph"):
+        terra.config(site_graph=1)
+
+
+@pytest.mark.parametrize("settings", [{"overlap_iterations": False}, {"coexecution": False}],
+                         ids=["no_overlap", "lazy"])
+def test_equal_to_eager_without_overlap_and_lazy(settings):
+    eager = trip_count(tf.GradientTape, steps=16)
+    old = terra.config(**settings)
+    try:
+        got, stats, explain = _terra_run(lambda T: trip_count(T, steps=16), True)
+    finally:
+        terra.config(**old)
+    _assert_same(got, eager, f"trip_count {settings}")
+    assert stats["case_switches"] > 0, explain
+
+
+def _late_error(Tape, steps=14, bad=10):
+    """Random branch per step; at step `bad` an out-of-range gather after the last sync point
+    (it feeds a variable update only)."""
+    w, u, v = _matrices(3, seed=9)
+    table, shift = tf.Variable([1.0, 2.0, 3.0, 4.0]), tf.Variable(0.0)
+    X = _data(steps)
+    rnd = random.Random(2)
+    losses, errors, at_error = [], [], None
+    for i in range(steps):
+        idx = (np.arange(100) % 4).astype(np.int32)
+        if i == bad:
+            idx[50] = 7
+        try:
+            with Tape() as tape:
+                h = tf.matmul(X[i], w)
+                h = tf.tanh(tf.matmul(h, u)) if rnd.random() < 0.5 else tf.nn.relu(tf.matmul(h, v))
+                loss = tf.reduce_mean(h * h)
+            losses.append(float(loss))
+            _sgd(tape, loss, [w, u, v])
+            shift.assign_add(tf.reduce_sum(tf.gather(table, idx)) * 1e-3)
+        except tf.errors.InvalidArgumentError as e:
+            errors.append(i)
+            if at_error is None:
+                at_error = [x.numpy() for x in (w, u, v, shift)]
+    return losses, errors, at_error
+
+
+def test_graph_error_after_the_last_sync_point():
+    e_losses, e_errors, e_at = _late_error(tf.GradientTape)
+    t_losses, t_errors, t_at = _late_error(tf.TerraGradientTape)
+    terra.end_iteration()
+    explain = terra.explain()
+    assert e_errors == [10]
+    assert len(t_errors) == 1 and t_errors[0] in (10, 11), (t_errors, explain)
+    assert "site graph (switch_case" in explain and terra.stats()["case_switches"] > 0, explain
+    for a, b in zip(t_at, e_at):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    # losses read before the error are eager's; raised in iteration 11 (its first sync point,
+    # the program had left iteration 10), that iteration's update never ran
+    np.testing.assert_allclose(t_losses[:11], e_losses[:11], rtol=1e-5, atol=1e-7)
+    if t_errors[0] == 10:
+        np.testing.assert_allclose(t_losses, e_losses, rtol=1e-5, atol=1e-7)
+    else:
+        assert len(t_losses) == len(e_losses) - 1
