@@ -73,6 +73,7 @@ apply_op_helper = _op_def_library._apply_op_helper  # pylint: disable=protected-
 
 # The read that C++ inserts when a raw variable feeds a non-resource input; replay makes it explicit.
 read_variable_op = _gen_rv.read_variable_op
+assign_variable_op = _gen_rv.assign_variable_op
 
 
 def atomic_function_name(fn) -> str:

@@ -30,6 +30,8 @@ class Config:
     layer_units: match calls of Keras' built-in layers as one guarded unit each.
     site_graph: a site with two or more compiled paths runs one lowered graph for all of them
       (switch_case / while_loop): a branch Python takes is a Case-Select put, not a restart.
+      Off by default (docs/usage.md, "Branches: the site graph": slower on small programs, and
+      one benchmark program aborts in TF's oneDNN graph pass with it).
     """
     enabled: bool = True
     coexecution: bool = True
@@ -42,7 +44,7 @@ class Config:
     verbose: int = 0
     max_trace_ops: int = 50000
     layer_units: bool = True
-    site_graph: bool = True
+    site_graph: bool = False
 
 
 CONFIG = Config()

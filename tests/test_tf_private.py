@@ -66,3 +66,9 @@ def test_replay_helpers():
     assert float(tfp.read_variable_op(v.handle, tf.float32)) == 2.0
     with tfp.function_call_config(tfp.disable_grappler):
         assert float(tf.function(lambda: v * 2.0)()) == 4.0
+
+
+def test_assign_variable_op_writes_by_handle():
+    v = tf.Variable([1.0, 2.0])
+    tfp.assign_variable_op(v.handle, tf.constant([5.0, 6.0]))
+    assert v.numpy().tolist() == [5.0, 6.0]

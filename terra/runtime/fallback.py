@@ -49,7 +49,45 @@ def written_variables(trace: Trace) -> list:
         v = trace.variables.get(k)
         if isinstance(v, tfp.BaseResourceVariable):
             out.append(v)
+        elif v is not None:  # a handle no known variable owns: snapshot it by handle
+            out.append(HandleVariable(v, _handle_dtype(trace, k)))
     return out
+
+
+def unsnapshotable(trace: Trace) -> str | None:
+    """Why a fallback could not restore what `trace` writes (None: it can)."""
+    try:
+        written_variables(trace)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _handle_dtype(trace: Trace, key) -> str | None:
+    """The value dtype of the resource `key`, from a record that reads or writes it."""
+    for rec in trace.records:
+        flat = [r for a in rec.inputs for r in (a if isinstance(a, tuple) else (a,))]
+        if any(isinstance(r, VariableRef) and r.key == key for r in flat):
+            attrs = dict(rec.attrs)
+            for name in ("dtype", "T"):
+                if isinstance(attrs.get(name), str):
+                    return attrs[name]
+    return None
+
+
+class HandleVariable:
+    """A resource handle read and written by handle (no variable object is known for it)."""
+
+    def __init__(self, handle, dtype):
+        if dtype is None:
+            raise ValueError("a written resource handle whose value dtype no record names")
+        self.handle, self.dtype = handle, dtype
+
+    def read_value(self):
+        return tfp.read_variable_op(self.handle, self.dtype)
+
+    def assign(self, value):
+        tfp.assign_variable_op(self.handle, value)
 
 
 class Snapshot:

@@ -43,6 +43,7 @@ from terra.runtime.channels import FeedChannel, FeedFetchOrder, FetchChannel
 from terra.runtime import xla
 from terra.runtime.errors import TerraRuntimeError
 from terra.runtime.fallback import (ContinuingRecorder, EagerReplay, Snapshot, bind_placeholders,
+                                    unsnapshotable,
                                     written_variables)
 from terra.runtime.graph_runner import GraphRunner, op_node_name
 from terra.runtime.placeholders import Placeholder
@@ -1676,7 +1677,7 @@ def _uncompilable(trace, units=None) -> str | None:
         return "a feed of a type channels cannot carry"
     if not trace.records:
         return "empty iteration"
-    return None
+    return unsnapshotable(trace)
 
 
 SESSION = Session()

@@ -14,7 +14,6 @@ arrays, large constants). Anything the recorder cannot represent is named in `Tr
 """
 from __future__ import annotations
 
-import gc
 import sys
 import warnings
 
@@ -317,7 +316,7 @@ class Recorder(hook.Interceptor):
         self._functions[tfp.atomic_function_name(fn)] = fn
         # The variables a function captured, by handle: their handles reach `_variable` as
         # captured inputs without passing through the `handle` property, and this saves the
-        # slow and, while a graph runs on another thread, unsafe gc scan of `_owner_of_handle`.
+        # frame search of `_owner_of_handle`.
         for var in getattr(getattr(fn, "graph", None), "variables", None) or ():
             handle = getattr(var, "_handle", None)
             if handle is not None:
@@ -507,7 +506,9 @@ class Recorder(hook.Interceptor):
                 return self._feed(v, _spec(v), "numpy", value=born[1])
             return self._feed(v, _spec(v), "eager-tensor")
         if isinstance(v, tfp.BaseResourceVariable):
-            return self._variable(v.handle)
+            h = v.handle
+            self._handles.setdefault(id(h), (h, v))
+            return self._variable(h)
         if isinstance(v, np.ndarray):
             d = dtype or tf.as_dtype(v.dtype).name
             return self._feed(v, TensorSpec(d, tuple(v.shape)), "numpy")
@@ -573,20 +574,25 @@ def _regroup(info: OpInfo, flat, full) -> list:
     return out
 
 
+_OWNER_SEARCH_FRAMES = 40
+
+
 def _owner_of_handle(handle):
-    """The resource variable whose handle is `handle` (for handles captured by functions, which
-    never pass through the `handle` property while recording). Slow (a gc scan); the recorder
-    caches the answer per handle."""
-    found = None
-    for ref in gc.get_referrers(handle):
-        if isinstance(ref, dict) and ref.get("_handle") is handle:
-            for owner in gc.get_referrers(ref):
-                if isinstance(owner, tfp.BaseResourceVariable) and owner.__dict__ is ref:
-                    found = owner
-                    break
-        if found is not None:
+    """The resource variable whose handle is `handle`, when no `handle` property access, function
+    capture or PythonRunner map named it: found among the locals of the calling frames (a
+    variable method that reads `self._handle` directly has the variable as `self`). None if it
+    is not there: the recorder then keeps the bare handle (replay reads and writes it by handle,
+    snapshots too). No heap scan: `gc.get_referrers` can crash the process while other threads
+    create objects."""
+    f = sys._getframe(1)
+    for _ in range(_OWNER_SEARCH_FRAMES):
+        if f is None:
             break
-    return found
+        for v in f.f_locals.values():
+            if isinstance(v, tfp.BaseResourceVariable) and getattr(v, "_handle", None) is handle:
+                return v
+        f = f.f_back
+    return None
 
 
 def record(fn, *args, site: str | None = None, **kwargs):

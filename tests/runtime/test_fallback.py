@@ -128,3 +128,37 @@ def test_placeholders_kept_across_iterations_stay_valid():
         w.assign_sub(0.1 * tape.gradient(loss, w))
     np.testing.assert_allclose([float(k) for k in kept], eager, rtol=1e-6)
     assert terra.stats()["graph_builds"] >= 1
+
+
+def test_handle_owner_is_found_in_calling_frames_without_a_heap_scan():
+    from terra.tracing import recorder as rec_mod
+    v = tf.Variable([1.0, 2.0])
+
+    def deep(handle, depth):
+        return rec_mod._owner_of_handle(handle) if depth == 0 else deep(handle, depth - 1)
+
+    assert deep(v.handle, 5) is v             # `v` is a local of this test's frame
+    holder = [tf.Variable(0.0)]               # owned by a list, not by a frame's local
+    found = deep(holder[0].handle, 2)
+    assert found is None
+
+
+def test_bare_written_handle_is_snapshotted_and_restored_by_handle():
+    from terra.ir.records import OpRecord, TensorSpec, Trace, VariableRef
+    from terra.runtime.fallback import HandleVariable, unsnapshotable
+    v = tf.Variable([1.0, 2.0])
+    key = id(v.handle)
+    rec = OpRecord(0, "AssignAddVariableOp", (("dtype", "float32"),),
+                   (VariableRef(key), tf.constant([1.0, 1.0])), (), None)
+    trace = Trace("t", [rec], [], [], [], {key: v.handle})
+    (hv,) = written_variables(trace)
+    assert isinstance(hv, HandleVariable) and hv.dtype == "float32"
+    snap = Snapshot([hv])
+    values = snap.take()
+    v.assign([7.0, 7.0])
+    snap.restore(values)
+    np.testing.assert_array_equal(v.numpy(), [1.0, 2.0])
+    # without any record naming the dtype the trace is not compiled (nothing could restore it)
+    bad = Trace("t", [OpRecord(0, "DestroyResourceOp", (), (VariableRef(key),), (), None)],
+                [], [], [], {key: v.handle})
+    assert "dtype" in unsnapshotable(bad)
