@@ -443,21 +443,23 @@ class Iteration:
         r = self.run
         return r is not None and r.state == "error"
 
-    def abandon_run(self) -> None:
+    def abandon_run(self, eager_next: bool = True) -> None:
         """Stop this iteration's graph run (cancel it, or collect a finished one whose result is
         no longer wanted: the path taken next recomputes, an eager replay reports any error),
         drop its unread fetches and restore the variables it may have written."""
         s = self.session
+        # Earlier iterations' runs end first (and may fail), also when this iteration's run has
+        # not started, if eager ops follow (a fallback's replay must see all their writes) or
+        # channels are drained (their runs must have enqueued everything). A path switch before
+        # anything was put needs neither: the next run simply queues after theirs.
+        if eager_next or self.run is not None or self.runner is not None and self.runner.fed:
+            s.collect_pending(convert=False)
         if self.run is None:
             if self.mode == "skip" and self.runner is not None and (
                     self.runner.fed or self.site_run is not None and self.site_run.done):
                 # lazy mode: nothing ran, but what Python put is queued (on a site graph the
                 # next path would dequeue it)
-                s.collect_pending(convert=False)
                 self.graph().drain()
-            return
-        s.collect_pending(convert=False)  # earlier iterations' runs end first (may fail)
-        if self.run is None:  # an earlier run failed: ours was cancelled and restored with it
             return
         if not self.run.done:
             s.runner.cancel(timeout=CONFIG.timeout_s, first=self.run)
@@ -632,7 +634,7 @@ class Iteration:
             tried.add(id(q))
             s = self.session
             with s.internal():
-                self.abandon_run()
+                self.abandon_run(eager_next=False)
                 if s.deferred_error is not None:  # an earlier iteration failed: fall back
                     return False
                 self.run = None

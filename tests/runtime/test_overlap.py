@@ -197,3 +197,38 @@ def test_cycling_shapes_with_inputs_sliced_before_the_tape():
     _assert_same(got, eager)
     assert stats["graph_builds"] >= 3 and stats["static_reads"] >= 3, terra.explain()
     assert stats["overlapped_iterations"] >= 3, stats
+
+
+def test_no_graph_run_is_in_flight_when_a_fallback_replays_eagerly(monkeypatch):
+    """A fallback at the first feed of iteration i+1 (a batch of a new shape: the run of i+1 has
+    not started) must still wait for run i: the eager replay and tracing read the variables."""
+    from terra.runtime import session as session_mod
+    seen = []
+
+    class Checked(session_mod.EagerReplay):
+        def run(self, upto):
+            s = session_mod.SESSION
+            seen.append((s.runner.done, len(s.pending)))
+            return super().run(upto)
+
+    monkeypatch.setattr(session_mod, "EagerReplay", Checked)
+
+    def program(Tape, steps=14):
+        model, opt = _model(7), keras.optimizers.Adam(0.01)
+        X, Y = _data(steps)
+        losses = []
+        for i in range(steps):
+            n = 8 if i % 5 != 4 else 3           # now and then a smaller batch
+            with Tape() as tape:
+                loss = tf.reduce_mean((model(X[i][:n]) - Y[i][:n]) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            losses.append(float(loss))
+        return losses, _weights(model, opt)
+
+    eager = program(tf.GradientTape)
+    got = program(tf.TerraGradientTape)
+    terra.end_iteration()
+    _assert_same(got, eager)
+    assert seen and all(done and not pending for done, pending in seen), seen
+    assert terra.stats()["overlapped_iterations"] >= 1
