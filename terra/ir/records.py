@@ -132,6 +132,10 @@ class OpRecord:
                 return v
         return default
 
+    def input_refs(self) -> tuple:
+        """Every input ref in order, the entries of list inputs flattened."""
+        return tuple(r for a in self.inputs for r in (a if isinstance(a, tuple) else (a,)))
+
     @property
     def signature(self) -> tuple:
         """What must agree for two records to be the same node, data flow aside."""

@@ -38,8 +38,7 @@ def written_variables(trace: Trace) -> list:
     for rec in trace.records:
         if rec.op_type in _READ_ONLY:
             continue
-        flat = [r for a in rec.inputs for r in (a if isinstance(a, tuple) else (a,))]
-        for r in flat:
+        for r in rec.input_refs():
             if isinstance(r, VariableRef) and r.key not in seen:
                 if rec.route == "function" or rec.op_type not in _READ_ONLY:
                     seen.add(r.key)
@@ -66,12 +65,10 @@ def unsnapshotable(trace: Trace) -> str | None:
 def _handle_dtype(trace: Trace, key) -> str | None:
     """The value dtype of the resource `key`, from a record that reads or writes it."""
     for rec in trace.records:
-        flat = [r for a in rec.inputs for r in (a if isinstance(a, tuple) else (a,))]
-        if any(isinstance(r, VariableRef) and r.key == key for r in flat):
-            attrs = dict(rec.attrs)
+        if any(isinstance(r, VariableRef) and r.key == key for r in rec.input_refs()):
             for name in ("dtype", "T"):
-                if isinstance(attrs.get(name), str):
-                    return attrs[name]
+                if isinstance(rec.attr(name), str):
+                    return rec.attr(name)
     return None
 
 

@@ -36,7 +36,7 @@ from terra.runtime.channels import DEFAULT_TIMEOUT, wait_until
 from terra.runtime.errors import TerraRuntimeError
 
 __all__ = ["GraphRunner", "GraphRun", "FetchResolver", "Timing", "timing", "op_node_name",
-           "op_index_of", "with_error_context"]
+           "op_index_of", "with_error_context", "extended_error"]
 
 _OP_NAME_PREFIX = "terra_op_"
 _NODE_RE = re.compile(r"\{\{node ([^}]+)\}\}")
@@ -76,13 +76,19 @@ def with_error_context(error, error_context, index_of=op_index_of):
         extra = f"(error_context({idx}) failed: {hook_error!r})"
     if not extra:
         return error
+    return extended_error(error, extra, idx)
+
+
+def extended_error(error, extra, op_index):
+    """A new OpError of `error`'s type whose message has `extra` appended; it carries
+    `terra_op_index` (the recorded op that raised it)."""
     msg = f"{error.message}\n{extra}"
     cls = type(error)
     if cls is tf.errors.OpError:
         new = cls(error.node_def, error.op, msg, error.error_code)
     else:
         new = cls(error.node_def, error.op, msg)
-    new.terra_op_index = idx
+    new.terra_op_index = op_index
     return new
 
 
@@ -282,14 +288,6 @@ class GraphRunner:
 
         try:
             return channel.get(timeout=timeout, watch=watch)
-        except KeyboardInterrupt:
-            self.cancel()
-            raise
-
-    def wait(self, run, timeout=None):
-        """Wait (bounded) until `run` ended, without consuming it. Ctrl-C cancels the graph."""
-        try:
-            wait_until(run._done.is_set, f"graph run #{run.index} of {run.fn.name}", timeout)
         except KeyboardInterrupt:
             self.cancel()
             raise

@@ -114,10 +114,6 @@ class _Resolver:
 
 
 # ------------------------------------------------------------------------------------ path data
-def _flat_refs(arg) -> list:
-    return list(arg) if isinstance(arg, tuple) else [arg]
-
-
 class PathView:
     """What skip mode needs about one compiled trace, precomputed for fast checks."""
 
@@ -126,8 +122,7 @@ class PathView:
         self.records = trace.records
         self.units = units
         self.n = len(trace.records)
-        self.flat_inputs = [tuple(r for a in rec.inputs for r in _flat_refs(a))
-                            for rec in trace.records]
+        self.flat_inputs = [rec.input_refs() for rec in trace.records]
         self.fast_fallbacks = frozenset(trace.fast_fallbacks)
         self.fallback_types = frozenset(trace.records[i].op_type for i in trace.fast_fallbacks)
         self.attr_cache: dict = {}

@@ -45,7 +45,7 @@ from terra.runtime.errors import TerraRuntimeError
 from terra.runtime.fallback import (ContinuingRecorder, EagerReplay, Snapshot, bind_placeholders,
                                     unsnapshotable,
                                     written_variables)
-from terra.runtime.graph_runner import GraphRunner, op_node_name
+from terra.runtime.graph_runner import GraphRunner, extended_error, op_node_name
 from terra.runtime.placeholders import Placeholder
 from terra.runtime.python_runner import (PAST_END, Diverged, Divergence, GradUnit, PathView,
                                          PythonRunner, placeholder_ref, user_line)
@@ -116,21 +116,23 @@ class PathGraph:
                               for f in trace.feeds]
         self.fetch_at: dict = {}
         self.fetch_channels: dict = {}
-        for ref, after in sorted(path.fetch_points.items(), key=lambda kv: kv[1]):
+
+        def fetch_channel(ref, at):
             spec = trace.records[ref.record].outputs[ref.index]
             self.fetch_channels[ref] = FetchChannel(spec.dtype, spec.shape,
                                                     name=f"terra_fetch{ref.record}_{ref.index}")
-            self.fetch_at.setdefault(max(after, ref.record + 1), []).append(ref)
+            self.fetch_at.setdefault(at, []).append(ref)
+
+        for ref, after in sorted(path.fetch_points.items(), key=lambda kv: kv[1]):
+            fetch_channel(ref, max(after, ref.record + 1))
         self.liveouts = tuple(sorted(path.liveouts, key=lambda r: (r.record, r.index)))
         # Live-outs are fetched too: the next iteration often consumes one right away (inputs
         # sliced for the next step after the tape's block) and then needs not wait for the run
         # to end.
         for ref in self.liveouts:
-            spec = trace.records[ref.record].outputs[ref.index]
-            if ref not in self.fetch_channels and spec.dtype not in ("resource", "variant"):
-                self.fetch_channels[ref] = FetchChannel(
-                    spec.dtype, spec.shape, name=f"terra_fetch{ref.record}_{ref.index}")
-                self.fetch_at.setdefault(len(trace.records), []).append(ref)
+            if ref not in self.fetch_channels and trace.records[ref.record].outputs[
+                    ref.index].dtype not in ("resource", "variant"):
+                fetch_channel(ref, len(trace.records))
         # fetch channel -> elements that finished iterations left in it unread (their runs
         # enqueue them; the next reader skips them first)
         self.stale: dict = {}
@@ -289,11 +291,8 @@ class Path:
     @functools.cached_property
     def early_feed(self) -> bool:
         """The path's first feed comes within its first few ops (then its run starts there)."""
-        for rec in self.trace.records[:16]:
-            for a in rec.inputs:
-                if any(isinstance(r, FeedRef) for r in (a if isinstance(a, tuple) else (a,))):
-                    return True
-        return False
+        return any(isinstance(r, FeedRef) for rec in self.trace.records[:16]
+                   for r in rec.input_refs())
 
     def usable_units(self) -> dict:
         return {s: u for s, u in self.units.items() if not u.feeds or s in self.verified}
@@ -820,15 +819,11 @@ def _with_location(error, it, index, late=False):
     rec = it.path.trace.records[index] if index is not None else None
     if rec is None:
         return error
-    msg = (f"{error.message}\nterra: raised by op #{index} {rec.function or rec.op_type} "
-           f"recorded at {rec.location!r} in iteration {it.number} at {it.site.label}")
+    extra = (f"terra: raised by op #{index} {rec.function or rec.op_type} recorded at "
+             f"{rec.location!r} in iteration {it.number} at {it.site.label}")
     if late:
-        msg += "; it ran after that iteration's last sync point, so it surfaces here"
-    cls = type(error)
-    new = cls(error.node_def, error.op, msg, error.error_code) if cls is tf.errors.OpError else \
-        cls(error.node_def, error.op, msg)
-    new.terra_op_index = index
-    return new
+        extra += "; it ran after that iteration's last sync point, so it surfaces here"
+    return extended_error(error, extra, index)
 
 
 def _liveouts(recorder) -> set:
@@ -1637,19 +1632,15 @@ def _unit_feeds(trace, unit):
     # tensors the guard names as feeds (a tf.function's data arguments): the caller feeds them
     seen = {g.slot for g in unit.guard if isinstance(g, FeedRef)}
     for rec in trace.records[:unit.start]:
-        for a in rec.inputs:
-            for r in (a if isinstance(a, tuple) else (a,)):
-                if isinstance(r, FeedRef):
-                    seen.add(r.slot)
+        seen.update(r.slot for r in rec.input_refs() if isinstance(r, FeedRef))
     inside = []
     for rec in trace.records[unit.start:unit.end]:
-        for a in rec.inputs:
-            for r in (a if isinstance(a, tuple) else (a,)):
-                if isinstance(r, FeedRef) and r.slot not in seen:
-                    if not isinstance(trace.feed_values[r.slot], tfp.EagerTensorBase):
-                        return None
-                    seen.add(r.slot)
-                    inside.append(r.slot)
+        for r in rec.input_refs():
+            if isinstance(r, FeedRef) and r.slot not in seen:
+                if not isinstance(trace.feed_values[r.slot], tfp.EagerTensorBase):
+                    return None
+                seen.add(r.slot)
+                inside.append(r.slot)
     return tuple(inside)
 
 

@@ -37,10 +37,6 @@ _DTYPES = frozenset({"int32", "int64", "bool"})
 _MAX_ELEMENTS = 1024
 
 
-def _refs(arg):
-    return arg if isinstance(arg, tuple) else (arg,)
-
-
 class StaticValues:
     """Per path: (record, output) -> its iteration-invariant value, or None."""
 
@@ -83,15 +79,14 @@ class StaticValues:
                 return None
             value = tf.constant(SHAPE_OPS[rec.op_type](shape), dtype=want.dtype)
         elif rec.op_type in STATIC_OPS:
-            for arg in rec.inputs:
-                for r in _refs(arg):
-                    if isinstance(r, OutputRef):
-                        v = self.get(r)
-                        if v is None:
-                            return None
-                        self._replay.env[(r.record, r.index)] = v
-                    elif not isinstance(r, ConstRef):
+            for r in rec.input_refs():
+                if isinstance(r, OutputRef):
+                    v = self.get(r)
+                    if v is None:
                         return None
+                    self._replay.env[(r.record, r.index)] = v
+                elif not isinstance(r, ConstRef):
+                    return None
             self._replay._run_one(rec, tfp.context(), tfp.execute_module)
             value = self._replay.env[(rec.index, ref.index)]
         else:

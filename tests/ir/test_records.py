@@ -30,3 +30,11 @@ def test_repr_is_readable():
     assert text.startswith("%3 = AddV2(%1:2, $var7)")
     assert "float32[2x2]" in text
     assert repr(replace(r, outputs=(TensorSpec("int32", (None,)),))).count("int32[?]") == 1
+
+
+def test_input_refs_flattens_list_inputs_in_order():
+    r = _rec(op_type="AddN", inputs=((OutputRef(0), OutputRef(1)),))
+    assert r.input_refs() == (OutputRef(0), OutputRef(1))
+    assert _rec().input_refs() == (OutputRef(0), ConstRef(1.0, "float32"))
+    mixed = _rec(op_type="ConcatV2", inputs=((OutputRef(0), OutputRef(2)), ConstRef(0, "int32")))
+    assert mixed.input_refs() == (OutputRef(0), OutputRef(2), ConstRef(0, "int32"))
