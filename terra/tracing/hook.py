@@ -104,9 +104,17 @@ def _wrap_fast_path(orig):
 def _real_inputs(inputs):
     """What an op may really execute on: a placeholder (anything with `_terra_materialize`) that
     reaches eager execution, as it can when an op wrapper's fallback route converted arguments
-    itself, is replaced by its value; handed to C++ as it is, it would crash the process."""
+    itself, is replaced by its value; handed to C++ as it is, it would crash the process.
+
+    A list is changed in place: it is the op wrapper's own input list, which the wrapper then hands
+    to `record_gradient`, so tapes record the op on the value (the tensor a fallback's replay made
+    and recorded) rather than on the placeholder, whose id no recorded op produced."""
     if any(hasattr(x, "_terra_materialize") for x in inputs):
-        return [x._terra_materialize() if hasattr(x, "_terra_materialize") else x for x in inputs]
+        real = [x._terra_materialize() if hasattr(x, "_terra_materialize") else x for x in inputs]
+        if isinstance(inputs, list):
+            inputs[:] = real
+            return inputs
+        return real
     return inputs
 
 

@@ -162,3 +162,42 @@ def test_bare_written_handle_is_snapshotted_and_restored_by_handle():
     bad = Trace("t", [OpRecord(0, "DestroyResourceOp", (), (VariableRef(key),), (), None)],
                 [], [], [], {key: v.handle})
     assert "dtype" in unsnapshotable(bad)
+
+
+def _divergence_inside_argument_conversion(Tape, steps=10):
+    """The path changes at a variable read that an op wrapper issues while converting its
+    arguments, after it converted a placeholder argument: `conv2d(h, w1)` (whose C fast path
+    declines a variable argument) converts `h`, then reads `w1`, where the path expected
+    `tanh(h)`. The fallback happens inside that conversion, so the op then runs on the
+    placeholder the wrapper already holds, and tapes must record it on the replayed value (else
+    the gradients of `w0` and `u` are None)."""
+    rng = np.random.default_rng(5)
+    w0, w1 = (tf.Variable(rng.normal(size=(3, 3, 2, 2)).astype(np.float32) * 0.5)
+              for _ in range(2))
+    u = tf.Variable(np.ones(2, np.float32))
+    X = rng.normal(size=(steps, 2, 5, 5, 2)).astype(np.float32)
+    squash = [True, True, True, True, False, True, False, False, True, False][:steps]
+    losses = []
+    for i in range(steps):
+        with Tape() as tape:
+            h = tf.nn.conv2d(X[i], w0, 1, "SAME") * u
+            if squash[i]:
+                h = tf.tanh(h)
+            loss = tf.reduce_mean(tf.nn.conv2d(h, w1, 1, "SAME") ** 2)
+        grads = tape.gradient(loss, [w0, u, w1])
+        assert all(g is not None for g in grads), (i, [g is None for g in grads])
+        for v, g in zip((w0, u, w1), grads):
+            v.assign_sub(0.05 * g)
+        losses.append(float(loss))
+    return losses, [v.numpy() for v in (w0, u, w1)]
+
+
+def test_divergence_inside_an_op_wrappers_argument_conversion():
+    eager = _divergence_inside_argument_conversion(tf.GradientTape)
+    got = _divergence_inside_argument_conversion(tf.TerraGradientTape)
+    terra.end_iteration()
+    explain = terra.explain()
+    assert "observed ReadVariableOp" in explain, explain  # the divergence this test is about
+    np.testing.assert_allclose(got[0], eager[0], rtol=1e-5)
+    for a, b in zip(got[1], eager[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
