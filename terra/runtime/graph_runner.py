@@ -96,13 +96,14 @@ class GraphRun:
     """One queued/running/finished execution of a graph function."""
 
     __slots__ = ("index", "fn", "args", "manager", "outputs", "error", "state", "exec_seconds",
-                 "_done", "consumed", "cancel_requested", "before")
+                 "_done", "consumed", "cancel_requested", "before", "config")
 
-    def __init__(self, index, fn, args, before=None):
+    def __init__(self, index, fn, args, before=None, config=None):
         self.index = index
         self.fn = fn
         self.args = args
         self.before = before  # called on the worker right before fn (e.g. a variable snapshot)
+        self.config = config  # mutates the ConfigProto fn is called with (None: as is)
         self.manager = tfp.CancellationManager()
         self.outputs = None
         self.error = None
@@ -192,25 +193,32 @@ class GraphRunner:
                 self._cv.notify_all()
 
     def _call(self, run):
+        if run.config is not None:
+            with tfp.function_call_config(run.config):
+                return self._call_configured(run)
+        return self._call_configured(run)
+
+    def _call_configured(self, run):
         if self.grappler:
             return tfp.call_concrete_cancellable(run.fn, run.args, run.manager)
         with tfp.function_call_config(tfp.disable_grappler):  # thread-local: the worker's calls
             return tfp.call_concrete_cancellable(run.fn, run.args, run.manager)
 
     # ---- user API -------------------------------------------------------------------------
-    def start(self, fn, args=(), before=None):
+    def start(self, fn, args=(), before=None, config=None):
         """Queue a run of `fn` (tf.function or ConcreteFunction) on flat tensor `args`.
 
         Tracing (for a tf.function) happens here, in the caller's thread. `before()`, if given,
         runs on the worker right before `fn` (after every earlier run ended; not at all if the run
         is cancelled before it starts): the place for a snapshot of the variables the run may
-        write. Returns the GraphRun.
+        write. `config(proto)`, if given, changes the ConfigProto this run's functions are
+        called with (e.g. one Grappler optimizer turned off). Returns the GraphRun.
         """
         args = tuple(args)
         concrete = tfp.concrete_function_of(fn, args)
         flat = [tf.convert_to_tensor(a) for a in tf.nest.flatten(args, expand_composites=True)]
         with self._cv:
-            run = GraphRun(self._next_index, concrete, flat, before)
+            run = GraphRun(self._next_index, concrete, flat, before, config)
             self._next_index += 1
             self._runs.append(run)
             self._work.append(run)

@@ -109,6 +109,8 @@ class PathGraph:
     """One generated graph for one path: feed channels per feed slot, fetch channels per fetched
     output, and the path's live-out values as the function's outputs."""
 
+    run_config = None  # each run keeps the configured ConfigProto (see SiteGraph.run_config)
+
     def __init__(self, path: "Path"):
         trace = path.trace
         self.path = path
@@ -482,7 +484,8 @@ class Iteration:
 
             def snapshot():
                 self.snap = snap.take()
-            self.run = self.session.runner.start(graph.concrete, before=snapshot)
+            self.run = self.session.runner.start(graph.concrete, before=snapshot,
+                                                 config=graph.run_config)
 
     def resolve(self, ref: OutputRef):
         """Value of a placeholder of this iteration (a Python sync point)."""

@@ -25,6 +25,8 @@ from __future__ import annotations
 import bisect
 import time
 
+from tensorflow.core.protobuf import rewriter_config_pb2
+
 from terra.compiler.drive import _Planner
 from terra.compiler.lower import lower
 from terra.compiler.merge import merge
@@ -102,8 +104,23 @@ class SitePlan:
             self.nodes[:pos] == other.nodes[:pos]
 
 
+def _no_remapper(config) -> None:
+    """Run a site graph without Grappler's remapper (mutates a ConfigProto).
+
+    With it, TF aborted the process while instantiating the site graph of a residual CNN whose
+    paths give a feature map different spatial sizes (benchmarks/programs/sdpoint.py, bench
+    size): oneDNN's layout pass fails a CHECK (`d < dims()`) in `CalculateNodeMFlops`, called
+    from `FusedConv2DRewrite`, reading a 4-D shape out of a rank-0 one. The `_FusedConv2D` nodes
+    it rewrites are the remapper's (Conv2D + BiasAdd + activation), and so are the input-shape
+    hints it reads; through the lowered `switch_case` those hints can lack the rank. Path graphs
+    keep the remapper (tests/runtime/test_site_graph.py has the program, as a slow test)."""
+    config.graph_options.rewrite_options.remapping = rewriter_config_pb2.RewriterConfig.OFF
+
+
 class SiteGraph:
     """The lowered graph of a site's compiled paths; `plans[id(path)]` drives one path."""
+
+    run_config = staticmethod(_no_remapper)
 
     def __init__(self, paths, timed: bool = True):
         t0 = time.perf_counter()

@@ -277,3 +277,23 @@ def test_graph_error_after_the_last_sync_point():
         np.testing.assert_allclose(t_losses, e_losses, rtol=1e-5, atol=1e-7)
     else:
         assert len(t_losses) == len(e_losses) - 1
+
+
+@pytest.mark.slow
+def test_paths_with_different_feature_map_sizes_in_a_residual_cnn():
+    """SDPoint (benchmarks/programs/sdpoint.py, bench size): paths resize the feature map at a
+    random block. Its site graph once aborted the process in TF's oneDNN layout pass (see
+    `site_graph._no_remapper`); now it runs, equal to eager."""
+    from benchmarks.programs import sdpoint
+
+    steps = 10
+    p = sdpoint.build(tf.GradientTape)
+    eager = [p.step(i) for i in range(steps)]
+    p = sdpoint.build(tf.TerraGradientTape)
+    got = [p.step(i) for i in range(steps)]
+    terra.end_iteration()
+    explain = terra.explain()
+    assert "site graph (switch_case / while_loop) for" in explain, explain
+    assert terra.stats()["case_switches"] > 0, explain
+    assert "graph error" not in explain and "run failed" not in explain, explain
+    np.testing.assert_allclose(got, eager, rtol=1e-4)
