@@ -436,3 +436,22 @@ def test_grappler_option_gives_eager_bits():
     assert np.any(outs[True] != eager)  # the default really runs Grappler
     with pytest.raises(TypeError, match="grappler"):
         GraphRunner(grappler="no")
+
+
+def test_per_run_config_is_applied_on_the_worker_for_that_run_only():
+    calls = []
+
+    def no_remapper(config):
+        calls.append((threading.current_thread().name, type(config).__name__))
+        config.graph_options.rewrite_options.remapping = 2  # RewriterConfig.OFF
+
+    @tf.function(autograph=False)
+    def f(x):
+        return x * 2.0
+
+    runner = GraphRunner(name="config-runner")
+    runner.start(f, (tf.constant(1.0),), config=no_remapper)
+    assert float(runner.result(timeout=30)) == 2.0
+    runner.start(f, (tf.constant(2.0),))
+    assert float(runner.result(timeout=30)) == 4.0
+    assert calls == [("config-runner", "ConfigProto")]
