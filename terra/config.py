@@ -30,8 +30,8 @@ class Config:
     layer_units: match calls of Keras' built-in layers as one guarded unit each.
     site_graph: a site with two or more compiled paths runs one lowered graph for all of them
       (switch_case / while_loop): a branch Python takes is a Case-Select put, not a restart.
-      Off by default (docs/usage.md, "Branches: the site graph": slower on small programs, and
-      one benchmark program aborts in TF's oneDNN graph pass with it).
+      Off by default (docs/usage.md, "Branches: the site graph": slower where measured, and
+      rebuilt whole for every new path).
     """
     enabled: bool = True
     coexecution: bool = True
