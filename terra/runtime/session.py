@@ -718,9 +718,12 @@ class Iteration:
         if self.mode == "skip":
             if self.runner.pos < self.path.view.n and not self.switch(
                     Divergence(user_line(), "", "", self.runner.pos, "iteration ended"), True):
-                self.fallback(Divergence(user_line(), f"{self.path.view.n} ops",
-                                         f"{self.runner.pos} ops", self.runner.pos,
-                                         "iteration ended early"))
+                if self._pure_tail():
+                    self._finish_pure_tail()
+                else:
+                    self.fallback(Divergence(user_line(), f"{self.path.view.n} ops",
+                                             f"{self.runner.pos} ops", self.runner.pos,
+                                             "iteration ended early"))
             else:
                 self._finish_skip()
         if self.mode == "tracing":
@@ -732,6 +735,37 @@ class Iteration:
             self.site.last_path = self.path
         self.mode = "done"
         _set_active(None)
+
+    def _pure_tail(self) -> bool:
+        """The iteration ends before the last ops of its path (typically ops that prepare the
+        next step's data before the next tape, when the program or a benchmark harness ends the
+        iteration between steps), and every op left is pure: no state, no randomness, no function
+        call. Then the path's graph may compute them anyway: nothing the program holds comes
+        from them, and they change nothing."""
+        if self.site_run is not None or self.runner.pos == 0:
+            return False
+        for rec in self.path.view.records[self.runner.pos:]:
+            op_def = tfp.get_op_def(rec.op_type) if rec.route != "function" else None
+            if op_def is None or op_def.is_stateful:
+                return False
+        return True
+
+    def _finish_pure_tail(self) -> None:
+        """Finish on the path's graph (see `_pure_tail`): the feeds of the ops left get the
+        values the path was traced with (the same ops ran on them eagerly), and their outputs
+        are not read."""
+        s, runner, trace = self.session, self.runner, self.path.trace
+        with s.internal():
+            for slot in range(len(trace.feeds)):
+                if slot not in runner.fed:
+                    runner.fed[slot] = trace.feed_values[slot]
+                    runner.fed_order.append(slot)
+                    self.put_feed(slot, trace.feed_values[slot])
+        s.pure_tails += 1
+        s._event("end", self.site, self.number, f"iteration ended {self.path.view.n - runner.pos} "
+                 f"ops before the end of path p{self.path.id}; those ops are pure: the graph runs "
+                 f"them on the traced feed values, unread", None)
+        self._finish_skip()
 
     def _finish_skip(self) -> None:
         s = self.session
@@ -855,6 +889,7 @@ class Session:
         self.graph_builds = 0
         self.switches = 0
         self.case_switches = 0
+        self.pure_tails = 0
         self.overlapped = 0
         self.static_reads = 0
         self.python_exec_s = 0.0
@@ -1501,7 +1536,7 @@ class Session:
             stall = sum(g.stall_seconds for g in self._graphs)
         return {"traces": self.traces, "fallbacks": self.fallbacks,
                 "graph_builds": self.graph_builds, "phase": phase, "path_switches": self.switches,
-                "case_switches": self.case_switches,
+                "case_switches": self.case_switches, "pure_tails": self.pure_tails,
                 "overlapped_iterations": self.overlapped, "static_reads": self.static_reads,
                 "iterations": self.iterations,
                 "python_exec_s": self.python_exec_s, "python_stall_s": self.python_stall_s,
