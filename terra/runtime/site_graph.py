@@ -157,6 +157,11 @@ class SiteGraph:
         self.lowered.drain()
         self.stale = {}
 
+    def drop_stale(self, take) -> None:
+        """As `PathGraph.drop_stale`: take the unread elements of finished runs now."""
+        from terra.runtime.session import drop_stale
+        drop_stale(self.stale, self.lowered.fetches, take)
+
     @property
     def stall_seconds(self) -> float:
         return sum(ch.stall_seconds for ch in self.lowered.feed_channels())

@@ -232,3 +232,46 @@ def test_no_graph_run_is_in_flight_when_a_fallback_replays_eagerly(monkeypatch):
     _assert_same(got, eager)
     assert seen and all(done and not pending for done, pending in seen), seen
     assert terra.stats()["overlapped_iterations"] >= 1
+
+
+def test_unread_fetches_and_finished_iterations_do_not_pile_up():
+    """Values kept past the iteration but read only at the end (`keep`) have fetch channels that
+    no later iteration reads: their elements are taken when the run is collected, not left in
+    the queues (which grew by one element per channel and iteration, the memory of a whole
+    model's worth of tensors per step), and a collected iteration lets go of its runner, run
+    and variable snapshot."""
+    from terra.runtime.session import SESSION
+
+    eager = _train(tf.GradientTape, steps=16, keep=True)
+    iterations = []
+    real = SESSION.collect_pending
+
+    def spy(*a, **k):
+        iterations.extend(SESSION.pending)
+        return real(*a, **k)
+
+    SESSION.collect_pending = spy
+    try:
+        model, opt = _model(), keras.optimizers.Adam(0.01)
+        X, Y = _data(16)
+        kept, queued = [], []
+        for i in range(16):
+            with tf.TerraGradientTape() as tape:
+                loss = tf.reduce_mean((model(X[i]) - Y[i]) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            kept.append(loss)
+            queued.append(sum(ch.size() for g in SESSION._graphs
+                              for ch in g.fetch_channels.values()))
+        terra.end_iteration()
+    finally:
+        SESSION.collect_pending = real
+    np.testing.assert_allclose([float(x) for x in kept], eager[0], rtol=1e-5, atol=1e-7)
+    (graph,) = SESSION._graphs
+    assert len(graph.fetch_channels) >= 1
+    # at most the elements of the run in flight, never a growing backlog
+    assert max(queued) <= len(graph.fetch_channels), queued
+    assert sum(ch.size() for ch in graph.fetch_channels.values()) == 0 and not graph.stale
+    collected = [it for it in iterations if not it.pending]
+    assert collected and all(it.runner is None and it.snap is None and it.run is None
+                             for it in collected)
