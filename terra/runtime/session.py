@@ -138,6 +138,7 @@ class PathGraph:
         # fetch channel -> elements that finished iterations left in it unread (their runs
         # enqueue them; the next reader skips them first)
         self.stale: dict = {}
+        self.droppers: dict = {}  # pattern of unread counts -> function that drops them
         liveouts = self.liveouts
 
         def body():
@@ -170,23 +171,42 @@ class PathGraph:
             if ref not in fetched:
                 self.stale[ref] = self.stale.get(ref, 0) + 1
 
-    def drop_stale(self, take) -> None:
-        """Take now (`take(channel)`) the elements finished runs left unread: with no later
-        reader of a channel they would pile up, one per iteration (all runs that added to
-        `stale` have ended, so they are at the heads of their queues)."""
-        drop_stale(self.stale, self.fetch_channels, take)
+    def drop_stale(self) -> None:
+        """Take now the elements finished runs left unread: with no later reader of a channel
+        they would pile up, one per iteration (all runs that added to `stale` have ended, so
+        they are at the heads of their queues)."""
+        drop_stale(self.stale, self.fetch_channels, self.droppers)
 
     @property
     def stall_seconds(self) -> float:
         return sum(ch.stall_seconds for ch in self.feed_channels)
 
 
-def drop_stale(stale: dict, channels: dict, take) -> None:
-    for key, n in stale.items():
-        ch = channels[key]
-        for _ in range(n):
-            take(ch)
+def drop_stale(stale: dict, channels: dict, droppers: dict) -> None:
+    """Dequeue `stale[key]` elements of `channels[key]` for every key, in one graph call: a
+    function per pattern of counts, cached in `droppers` (steady state repeats one pattern;
+    dozens of eager dequeues per step cost milliseconds)."""
+    pattern = tuple(sorted(((k, n) for k, n in stale.items() if n > 0), key=repr))
     stale.clear()
+    if not pattern:
+        return
+    fn = droppers.get(pattern)
+    if fn is None:
+        queues = [(channels[k].queue, n) for k, n in pattern]
+
+        def drop():
+            # never block: a count that does not match the queue is an error, not a hang
+            checks = [tf.debugging.assert_greater_equal(q.size(), n) for q, n in queues]
+            with tf.control_dependencies(checks):
+                for q, n in queues:
+                    for _ in range(n):
+                        q.dequeue()
+        fn = droppers[pattern] = tf.function(drop, autograph=False).get_concrete_function()
+    try:
+        fn()
+    except tf.errors.InvalidArgumentError:
+        raise TerraRuntimeError("terra: a finished run left fewer unread fetch elements than "
+                                "counted") from None
 
 
 class _Runner(GraphRunner):
@@ -1022,7 +1042,7 @@ class Session:
                     it.outputs = it.collect_outputs(self.runner.fetch)
                 else:
                     it.outputs = dict(zip(it.path.graph.liveouts, outs))
-                it.graph().drop_stale(lambda ch: self.runner.fetch(ch, timeout=CONFIG.timeout_s))
+                it.graph().drop_stale()
             it.release()
             return
         with self.internal():

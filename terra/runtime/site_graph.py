@@ -142,6 +142,7 @@ class SiteGraph:
         self.built_for = self.key_of(self.paths)
         # fetch key -> elements finished iterations left unread (the next reader skips them)
         self.stale: dict = {}
+        self.droppers: dict = {}  # as PathGraph.droppers
         self.build_seconds = time.perf_counter() - t0
 
     @staticmethod
@@ -157,10 +158,10 @@ class SiteGraph:
         self.lowered.drain()
         self.stale = {}
 
-    def drop_stale(self, take) -> None:
+    def drop_stale(self) -> None:
         """As `PathGraph.drop_stale`: take the unread elements of finished runs now."""
         from terra.runtime.session import drop_stale
-        drop_stale(self.stale, self.lowered.fetches, take)
+        drop_stale(self.stale, self.lowered.fetches, self.droppers)
 
     @property
     def stall_seconds(self) -> float:
