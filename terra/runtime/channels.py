@@ -20,10 +20,10 @@ import time
 
 import tensorflow as tf
 
-from terra.runtime.errors import ChannelClosedError, TerraTimeoutError
+from terra.runtime.errors import ChannelClosedError, TerraRuntimeError, TerraTimeoutError
 
 __all__ = ["FeedChannel", "FetchChannel", "FeedFetchOrder", "case_select_channel",
-           "loop_cond_channel", "DEFAULT_TIMEOUT", "wait_until"]
+           "loop_cond_channel", "DEFAULT_TIMEOUT", "wait_until", "drop_elements"]
 
 #: Bound, in seconds, of every Python-side wait when the caller gives none.
 DEFAULT_TIMEOUT = 60.0
@@ -240,6 +240,34 @@ class FetchChannel(_Channel):
     def reset_stats(self):
         self.wait_seconds = 0.0
         self.gets = 0
+
+
+def drop_elements(counts: dict, channels: dict, cache: dict) -> None:
+    """Dequeue `counts[key]` elements of `channels[key]` for every key, in one graph call, and
+    clear `counts`. The elements must be there already (a finished run's unread fetches): the
+    call raises TerraRuntimeError rather than block if one is missing. One function per pattern
+    of counts, kept in `cache` (steady state repeats one pattern; dozens of eager dequeues per
+    step cost milliseconds)."""
+    pattern = tuple(sorted(((k, n) for k, n in counts.items() if n > 0), key=repr))
+    counts.clear()
+    if not pattern:
+        return
+    fn = cache.get(pattern)
+    if fn is None:
+        queues = [(channels[k].queue, n) for k, n in pattern]
+
+        def drop():
+            checks = [tf.debugging.assert_greater_equal(q.size(), n) for q, n in queues]
+            with tf.control_dependencies(checks):
+                for q, n in queues:
+                    for _ in range(n):
+                        q.dequeue()
+        fn = cache[pattern] = tf.function(drop, autograph=False).get_concrete_function()
+    try:
+        fn()
+    except tf.errors.InvalidArgumentError:
+        raise TerraRuntimeError("terra: fewer elements queued than counted as left unread "
+                                f"({', '.join(f'{k}: {n}' for k, n in pattern)})") from None
 
 
 def case_select_channel(name="case_select"):

@@ -405,6 +405,10 @@ class PythonRunner(hook.Interceptor):
             shape = tuple(a.shape)
         if dtype != spec.dtype or shape != spec.shape:
             self._diverge("feed with a new signature", spec, f"{dtype}{list(shape)}")
+        self.record_feed(slot, obj, value)
+
+    def record_feed(self, slot, obj, value) -> None:
+        """Feed slot `slot` with `value` (Python supplied `obj`): remembered, and put."""
         self.fed_ids[slot] = id(obj)
         self.fed[slot] = obj
         self.fed_order.append(slot)

@@ -39,7 +39,7 @@ import numpy as np
 
 from terra.ir.records import (ConstRef, Feed, FeedRef, OutputRef, TensorSpec, Trace,
                               VariableRef, replace)
-from terra.runtime.channels import FeedChannel, FeedFetchOrder, FetchChannel
+from terra.runtime.channels import FeedChannel, FeedFetchOrder, FetchChannel, drop_elements
 from terra.runtime import xla
 from terra.runtime.errors import TerraRuntimeError
 from terra.runtime.fallback import (ContinuingRecorder, EagerReplay, Snapshot, bind_placeholders,
@@ -175,38 +175,11 @@ class PathGraph:
         """Take now the elements finished runs left unread: with no later reader of a channel
         they would pile up, one per iteration (all runs that added to `stale` have ended, so
         they are at the heads of their queues)."""
-        drop_stale(self.stale, self.fetch_channels, self.droppers)
+        drop_elements(self.stale, self.fetch_channels, self.droppers)
 
     @property
     def stall_seconds(self) -> float:
         return sum(ch.stall_seconds for ch in self.feed_channels)
-
-
-def drop_stale(stale: dict, channels: dict, droppers: dict) -> None:
-    """Dequeue `stale[key]` elements of `channels[key]` for every key, in one graph call: a
-    function per pattern of counts, cached in `droppers` (steady state repeats one pattern;
-    dozens of eager dequeues per step cost milliseconds)."""
-    pattern = tuple(sorted(((k, n) for k, n in stale.items() if n > 0), key=repr))
-    stale.clear()
-    if not pattern:
-        return
-    fn = droppers.get(pattern)
-    if fn is None:
-        queues = [(channels[k].queue, n) for k, n in pattern]
-
-        def drop():
-            # never block: a count that does not match the queue is an error, not a hang
-            checks = [tf.debugging.assert_greater_equal(q.size(), n) for q, n in queues]
-            with tf.control_dependencies(checks):
-                for q, n in queues:
-                    for _ in range(n):
-                        q.dequeue()
-        fn = droppers[pattern] = tf.function(drop, autograph=False).get_concrete_function()
-    try:
-        fn()
-    except tf.errors.InvalidArgumentError:
-        raise TerraRuntimeError("terra: a finished run left fewer unread fetch elements than "
-                                "counted") from None
 
 
 class _Runner(GraphRunner):
@@ -801,9 +774,7 @@ class Iteration:
         with s.internal():
             for slot in range(len(trace.feeds)):
                 if slot not in runner.fed:
-                    runner.fed[slot] = trace.feed_values[slot]
-                    runner.fed_order.append(slot)
-                    self.put_feed(slot, trace.feed_values[slot])
+                    runner.record_feed(slot, trace.feed_values[slot], trace.feed_values[slot])
         s.pure_tails += 1
         s._event("end", self.site, self.number, f"iteration ended {self.path.view.n - runner.pos} "
                  f"ops before the end of path p{self.path.id}; those ops are pure: the graph runs "

@@ -31,6 +31,7 @@ from terra.compiler.drive import _Planner
 from terra.compiler.lower import lower
 from terra.compiler.merge import merge
 from terra.ir.records import Fetch, Trace
+from terra.runtime.channels import drop_elements
 from terra.runtime.fallback import Snapshot, written_variables
 from terra.runtime.placeholders import Placeholder
 
@@ -160,8 +161,7 @@ class SiteGraph:
 
     def drop_stale(self) -> None:
         """As `PathGraph.drop_stale`: take the unread elements of finished runs now."""
-        from terra.runtime.session import drop_stale
-        drop_stale(self.stale, self.lowered.fetches, self.droppers)
+        drop_elements(self.stale, self.lowered.fetches, self.droppers)
 
     @property
     def stall_seconds(self) -> float:
