@@ -843,6 +843,7 @@ class Iteration:
                                          self.runner.pos, "value kept past the iteration"))
                 return
             self.runner.placeholders = {}
+        self.release()
 
 
 _FAILED = object()  # a run's result when it raised (a site graph's function returns None)

@@ -275,3 +275,31 @@ def test_unread_fetches_and_finished_iterations_do_not_pile_up():
     collected = [it for it in iterations if not it.pending]
     assert collected and all(it.runner is None and it.snap is None and it.run is None
                              for it in collected)
+
+
+@pytest.mark.parametrize("settings", [{"overlap_iterations": False}, {"coexecution": False}],
+                         ids=["no_overlap", "lazy"])
+def test_iterations_finished_without_overlap_let_go_of_their_run(settings, monkeypatch):
+    """Without pipelining an iteration waits for its run when it finishes; it then drops its
+    runner, run and variable snapshot as a collected pipelined one does."""
+    from terra.runtime.session import Iteration
+
+    eager = _train(tf.GradientTape, steps=10)
+    finished, real_finish = [], Iteration.finish
+
+    def finish(it):
+        real_finish(it)
+        finished.append(it)
+
+    monkeypatch.setattr(Iteration, "finish", finish)
+    old = terra.config(**settings)
+    try:
+        got = _train(tf.TerraGradientTape, steps=10)
+        terra.end_iteration()
+    finally:
+        terra.config(**old)
+    _assert_same(got, eager)
+    coexecuted = [it for it in finished if it.path is not None and it.path.graph is not None
+                  and it.outputs]
+    assert len(coexecuted) >= 5, terra.explain()
+    assert all(it.runner is None and it.snap is None and it.run is None for it in coexecuted)
