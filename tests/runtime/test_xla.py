@@ -61,13 +61,13 @@ def _run(Tape, observe=False, **kw):
     step, losses, variables = _program(Tape, **kw)
     for i in range(STEPS - OBSERVED):
         step(i)
-    ran = None
-    if observe:
-        ran = tfp.executed_op_types(lambda: [step(i) for i in range(STEPS - OBSERVED, STEPS)])
-    else:
+    def observed():
         for i in range(STEPS - OBSERVED, STEPS):
             step(i)
-    terra.end_iteration()
+        # inside the profiled window: the last step's graph run (its backward pass runs after
+        # the loss is fetched) has finished when this returns
+        terra.end_iteration()
+    ran = tfp.executed_op_types(observed) if observe else observed()
     return losses, variables(), ran
 
 
