@@ -151,10 +151,12 @@ class OpRecord:
 @dataclass(frozen=True, slots=True)
 class Fetch:
     """Python materialized output `ref` (via `.numpy()`, `bool()`, ...) after `after_record`
-    records had run. Fetch points become Output-Fetching ops."""
+    records had run. Fetch points become Output-Fetching ops. `in_unit`: read by the Python of
+    a coarse unit (`tape.gradient`, a Keras layer, ...), which skip mode does not run."""
     ref: OutputRef
     after_record: int
     how: str = "numpy"
+    in_unit: bool = False
 
 
 @dataclass(frozen=True, slots=True)

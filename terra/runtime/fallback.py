@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from terra import _tf_private as tfp
-from terra.ir.records import ConstRef, Feed, FeedRef, OutputRef, Trace, VariableRef
+from terra.ir.records import ConstRef, Feed, FeedRef, Fetch, OutputRef, Trace, VariableRef
 from terra.runtime.placeholders import Placeholder
 from tensorflow.python.eager import execute as _execute
 
@@ -254,7 +254,9 @@ class ContinuingRecorder(Recorder):
         self.max_ops = max_ops
         self.units: dict = {}   # start -> GradUnit
         self.too_long = False
-        self.in_unit = False
+        self.in_unit = False   # inside tape.gradient / apply_gradients (TF's own constants)
+        self.unit_depth = 0    # inside any coarse unit being recorded (its reads: Fetch.in_unit)
+        self.muted = 0         # inside Terra's own reads (not fetches)
 
     def seed(self, trace: Trace, upto: int, feed_values: dict, env: dict, placeholders: dict,
              units: dict, fetches=(), replay=None, born=None) -> None:
@@ -315,6 +317,12 @@ class ContinuingRecorder(Recorder):
             d = dtype or tf.as_dtype(v.dtype).name
             return ConstRef(_frozen_value(v, d), d)
         return super()._ref(v, dtype)
+
+    def fetch(self, tensor, how: str) -> None:
+        ref = self.ref_of(tensor)
+        if ref is not None and not self.muted:
+            self.trace.fetches.append(Fetch(ref, len(self.trace.records), how,
+                                            self.unit_depth > 0))
 
     def ref_of(self, tensor):
         if isinstance(tensor, Placeholder):

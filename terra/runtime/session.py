@@ -105,6 +105,21 @@ class _LazyFeeds:
         return v
 
 
+def skip_fetch_points(path) -> dict:
+    """The path's fetch points that skip mode can read. Skip mode matches a coarse unit
+    (`tape.gradient`, a Keras layer, ...) as a whole without running its Python, so it never
+    makes the reads that unit's Python made while tracing (`tape.gradient` reading a shape, or
+    `apply_gradients` the dense shape of an IndexedSlices gradient); fetched anyway, those values
+    would be left unread every step. A value also read outside units is fetched: that includes
+    a read skip mode made (a unit not matched whole runs its Python op by op), which is logged
+    as such and brings the value in with the next build."""
+    units = (path.view.units if path.view is not None else path.usable_units()).values()
+    spans = [(u.start, u.end) for u in units]
+    keep = path.outside_reads
+    return {ref: after for ref, after in path.fetch_points.items()
+            if ref in keep or not any(a <= after <= b for a, b in spans)}
+
+
 class PathGraph:
     """One generated graph for one path: feed channels per feed slot, fetch channels per fetched
     output, and the path's live-out values as the function's outputs."""
@@ -125,7 +140,7 @@ class PathGraph:
                                                     name=f"terra_fetch{ref.record}_{ref.index}")
             self.fetch_at.setdefault(at, []).append(ref)
 
-        for ref, after in sorted(path.fetch_points.items(), key=lambda kv: kv[1]):
+        for ref, after in sorted(skip_fetch_points(path).items(), key=lambda kv: kv[1]):
             fetch_channel(ref, max(after, ref.record + 1))
         self.liveouts = tuple(sorted(path.liveouts, key=lambda r: (r.record, r.index)))
         # Live-outs are fetched too: the next iteration often consumes one right away (inputs
@@ -284,6 +299,7 @@ class Path:
     units: dict
     liveouts: set = field(default_factory=set)
     fetch_points: dict = field(default_factory=dict)   # OutputRef -> earliest after_record
+    outside_reads: set = field(default_factory=set)  # refs read outside coarse units
     count: int = 0
     hits: int = 0
     graph: PathGraph | None = None
@@ -321,11 +337,17 @@ class Path:
             if f.ref.record < len(self.trace.records):
                 prev = self.fetch_points.get(f.ref)
                 self.fetch_points[f.ref] = f.after_record if prev is None else min(prev, f.after_record)
+                if not f.in_unit:
+                    self.outside_reads.add(f.ref)
 
     @property
     def stale(self) -> bool:
-        return self.graph is None or self.built_for != (frozenset(self.liveouts),
-                                                         frozenset(self.fetch_points))
+        return self.graph is None or self.built_for != self.build_key()
+
+    def build_key(self) -> tuple:
+        """What the path's graph depends on beyond its trace."""
+        return (frozenset(self.liveouts), frozenset(self.fetch_points),
+                frozenset(self.outside_reads))
 
 
 @dataclass(eq=False)
@@ -442,6 +464,8 @@ class Iteration:
     def frame_alive(self) -> bool:
         f = sys._getframe(1)
         target = self.frame
+        if target is None:
+            return False
         while f is not None:
             if f is target:
                 return True
@@ -731,6 +755,11 @@ class Iteration:
     def finish(self) -> None:
         """End the iteration (the next __enter__, reset, or leaving the site)."""
         s = self.session
+        # The frame of the tape's site is needed only while the iteration runs. Once that frame
+        # has returned, holding it would keep its locals (the last step's gradients, loss, tape)
+        # alive: they would pass for values the program keeps (`_liveouts`, `_kept_unresolved`)
+        # and be fetched every step. (A fallback from here records from the current frame.)
+        self.frame = None
         if self.mode == "skip":
             if self.runner.pos < self.path.view.n and not self.switch(
                     Divergence(user_line(), "", "", self.runner.pos, "iteration ended"), True):
@@ -1179,13 +1208,17 @@ class Session:
             (str(unconnected_gradients), tape._watch_accessed_variables)
         start = len(rec.trace.records)
         rec.in_unit = True
+        rec.unit_depth += 1
         try:
             result = base(tape, target, sources, output_gradients, unconnected_gradients)
         finally:
             rec.in_unit = False
+            rec.unit_depth -= 1
         end = len(rec.trace.records)
-        flat = tf.nest.flatten(result, expand_composites=True)
-        composite = len(flat) != len(tf.nest.flatten(result))
+        with _terra_reads(it):
+            flat = tf.nest.flatten(result, expand_composites=True)
+            composite = len(flat) != len(tf.nest.flatten(result))
+            structure = _shape_of(result) if composite else None
         refs = []
         usable = not any(isinstance(g, tuple) for g in guard[:-2] if g is not None)
         for g in flat:
@@ -1198,7 +1231,7 @@ class Session:
             refs.append(r)
         if usable and not rec.too_long:
             rec.units[start] = GradUnit(start, end, guard, tuple(refs),
-                                        structure=result if composite else None)
+                                        structure=structure)
         return result
 
     def apply_gradients(self, opt, original, grads_and_vars):
@@ -1210,8 +1243,9 @@ class Session:
             return original(opt, pairs)
         settings = tuple((k, v) for k, v in vars(opt).items()
                          if isinstance(v, (bool, int, float, str, type(None))))
-        flat = tf.nest.flatten([g for g, _ in pairs], expand_composites=True) + \
-            ["|"] + [v for _, v in pairs]
+        with _terra_reads(it):
+            flat = tf.nest.flatten([g for g, _ in pairs], expand_composites=True) + \
+                ["|"] + [v for _, v in pairs]
         if it.mode == "skip":
             guard = (id(opt), settings) + tuple(
                 x if isinstance(x, str) else self.guard_ref(it, x) for x in flat)
@@ -1222,16 +1256,19 @@ class Session:
             except Diverged as d:
                 it.fallback(d.divergence)
         rec = it.recorder
-        pairs = [(_real(g), v) for g, v in pairs]
-        flat = [x._terra_materialize() if isinstance(x, Placeholder) else x for x in flat]
+        with _terra_reads(it):
+            pairs = [(_real(g), v) for g, v in pairs]
+            flat = [x._terra_materialize() if isinstance(x, Placeholder) else x for x in flat]
         guard = (id(opt), settings) + tuple(
             x if isinstance(x, str) else self.guard_ref(it, x) for x in flat)
         start = len(rec.trace.records)
         rec.in_unit = True
+        rec.unit_depth += 1
         try:
             result = original(opt, pairs)
         finally:
             rec.in_unit = False
+            rec.unit_depth -= 1
         usable = not any(isinstance(g, tuple) for g in guard[2:] if g is not None)
         if usable and not rec.too_long:
             rec.units[start] = GradUnit(start, len(rec.trace.records), guard, ())
@@ -1272,11 +1309,15 @@ class Session:
             guard_of(x._terra_materialize() if isinstance(x, Placeholder) else x) for x in flat)
         start = len(rec.trace.records)
         self._layer_depth += 1
+        rec.unit_depth += 1
         try:
             result = original(layer, *args, **kwargs)
         finally:
             self._layer_depth -= 1
-        outs = tf.nest.flatten(result, expand_composites=True)
+            rec.unit_depth -= 1
+        with _terra_reads(it):
+            outs = tf.nest.flatten(result, expand_composites=True)
+            structure = _shape_of(result)
         refs = [rec.ref_of(t) if isinstance(t, tfp.EagerTensorBase) else None for t in outs]
         usable = (not any(isinstance(g, tuple) and g[0] == "external" for g in guard[2:])
                   and all(r is not None for r in refs)
@@ -1284,7 +1325,7 @@ class Session:
                   and not rec.too_long and len(rec.trace.records) > start)
         if usable:
             rec.units[start] = GradUnit(start, len(rec.trace.records), guard, tuple(refs),
-                                        structure=result)
+                                        structure=structure)
         return result
 
     def function_call(self, fn, original, args, kwargs):
@@ -1326,7 +1367,11 @@ class Session:
         result = original(fn, *args, **kwargs)
         end = len(rec.trace.records)
         guard = self._function_guard(it, fn, flat)  # after the call: data arguments are feeds now
-        outs = tf.nest.flatten(result, expand_composites=True)
+        with _terra_reads(it):
+            outs = tf.nest.flatten(result, expand_composites=True)
+            composite = len(outs) != len(tf.nest.flatten(result))
+            structure = _shape_of(result) if composite else \
+                tf.nest.map_structure(lambda _: 0, result)
         refs = [rec.ref_of(t) if isinstance(t, tfp.EagerTensorBase) else None for t in outs]
         usable = (end > start and not rec.too_long
                   and not any(isinstance(g, tuple) and g[0] == "external" for g in guard[2:])
@@ -1350,8 +1395,6 @@ class Session:
                         wrapped.add_variable(var)
                 rec.trace.functions[r.function] = wrapped
         if usable:
-            composite = len(outs) != len(tf.nest.flatten(result))
-            structure = result if composite else tf.nest.map_structure(lambda _: 0, result)
             rec.units[start] = GradUnit(start, end, guard, tuple(refs), structure=structure)
         return result
 
@@ -1438,7 +1481,8 @@ class Session:
                     if path is None:
                         path = Path(sig, trace, units, id=len(site.paths), count=other.count,
                                     liveouts=set(other.liveouts),
-                                    fetch_points=dict(other.fetch_points))
+                                    fetch_points=dict(other.fetch_points),
+                                    outside_reads=set(other.outside_reads))
                         site.paths[sig] = path
                         self._event("trace", site, it.number, f"path p{other.id} generalized "
                                     f"to p{path.id}: changing Python values become feeds")
@@ -1489,7 +1533,7 @@ class Session:
             if path.snapshot is None:
                 path.snapshot = Snapshot(written_variables(path.trace))
             path.graph = PathGraph(path)
-            path.built_for = (frozenset(path.liveouts), frozenset(path.fetch_points))
+            path.built_for = path.build_key()
             self._graphs.append(path.graph)
         self.graph_builds += 1
         self._event("graph_build", site, number,
@@ -1650,6 +1694,31 @@ def _install_function_unit():
 
 def _with_reason(d: Divergence, reason: str) -> Divergence:
     return Divergence(d.location, d.expected, d.observed, d.position, reason)
+
+
+@contextlib.contextmanager
+def _terra_reads(it):
+    """Values Terra reads while tracing are not the program's fetches (a composite's type spec,
+    for one, reads its dense shape)."""
+    rec = it.recorder if it.mode == "tracing" else None
+    if rec is None:
+        yield
+        return
+    rec.muted += 1
+    try:
+        yield
+    finally:
+        rec.muted -= 1
+
+
+def _shape_of(result):
+    """`result` with every tensor (composites too) replaced by its TypeSpec: what a unit needs
+    to pack placeholders back into the result's structure (`tf.nest.pack_sequence_as(...,
+    expand_composites=True)`) without holding the traced tensors, which would pass for values
+    the program keeps (`_liveouts`) and be fetched, unread, every iteration."""
+    return tf.nest.map_structure(
+        lambda x: tf.type_spec_from_value(x)
+        if isinstance(x, (tf.Tensor, tf.__internal__.CompositeTensor)) else x, result)
 
 
 def _real(structure):

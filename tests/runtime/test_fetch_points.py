@@ -1,0 +1,150 @@
+"""What the path graph fetches: only the values skip mode can read.
+
+A step function (`def step(): with tape: ...; return loss`) keeps nothing past its iteration but
+what it returns: the graph fetches the loss Python reads, not the gradients and activations that
+only Terra's own references (the tape's frame, a unit's result structure) or the Python of a
+coarse unit (`tape.gradient` reading a shape, `apply_gradients` an IndexedSlices' dense shape)
+touched while tracing. Fetched, they were left unread and dropped every step. A read inside a
+unit that skip mode does make (the unit's guard failed, so its Python runs op by op) becomes a
+fetch after one fallback, not a fallback per step."""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import terra  # noqa: E402
+from terra.runtime import session as session_module  # noqa: E402
+from terra.runtime.session import SESSION  # noqa: E402
+
+STEPS = 10
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    terra.reset()
+    yield
+    terra.reset()
+
+
+def _weights(model, opt):
+    return [v.numpy() for v in model.variables] + [np.asarray(v.numpy()) for v in opt.variables]
+
+
+def _assert_same(got, eager):
+    np.testing.assert_allclose(got[0], eager[0], rtol=1e-5, atol=1e-7)
+    for x, y in zip(got[1], eager[1]):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+
+
+def _embedding_program(Tape):
+    """Embedding (IndexedSlices gradient) + dense head, one step function called in a loop."""
+    keras.utils.set_random_seed(0)
+    inp = keras.layers.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(20, 8)(inp)
+    out = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h))
+    model = keras.Model(inp, out)
+    opt = keras.optimizers.Adam(0.01)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    rng = np.random.default_rng(2)
+    X = rng.integers(0, 20, size=(STEPS, 4, 6)).astype(np.int32)
+    Y = rng.integers(0, 3, size=(STEPS, 4)).astype(np.int32)
+
+    def step(i):
+        with Tape() as tape:
+            loss = loss_fn(Y[i], model(X[i], training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    losses = [float(step(i)) for i in range(STEPS)]
+    return losses, _weights(model, opt)
+
+
+def test_a_step_function_fetches_only_the_loss_it_returns():
+    eager = _embedding_program(tf.GradientTape)
+    got = _embedding_program(tf.TerraGradientTape)
+    terra.end_iteration()
+    _assert_same(got, eager)
+    stats, explain = terra.stats(), terra.explain()
+    assert stats["graph_builds"] == 1 and stats["fallbacks"] == 0, explain
+    (graph,) = SESSION._graphs
+    trace = graph.path.trace
+    fetched = [trace.records[r.record].op_type for r in graph.fetch_channels]
+    # the loss only: no gradient, activation or dense shape of the embedding's IndexedSlices
+    assert len(fetched) == 1 and graph.liveouts == (), (fetched, graph.liveouts, explain)
+    assert not graph.droppers and not graph.stale, graph.droppers
+    # the trace did see reads inside units; they are marked, and not compiled as fetches
+    assert any(f.in_unit for f in trace.fetches), trace.fetches
+
+
+class Gate(keras.layers.Layer):
+    """Scales its input; its Python reads a value (`float(...)`) to choose the branch. Counted
+    as a built-in layer (one coarse unit) by the test below."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0   # a plain setting that changes every call: the unit's guard fails
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+    def call(self, x):
+        h = x * self.w
+        if float(tf.reduce_max(h)) > 1e6:  # never true here: the same ops every step
+            h = h * 0.5
+        return h
+
+
+def _gate_program(Tape, bump):
+    keras.utils.set_random_seed(1)
+    gate = Gate()
+    dense = keras.layers.Dense(1)
+    opt = keras.optimizers.SGD(0.05)
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(STEPS, 5, 3)).astype(np.float32)
+    Y = rng.normal(size=(STEPS, 5, 1)).astype(np.float32)
+    losses = []
+    for i in range(STEPS):
+        with Tape() as tape:
+            # (an op between the fed batch and the layer: a unit whose input is fed is matched
+            # op by op until its feeds are seen to repeat)
+            loss = tf.reduce_mean((dense(gate(tf.tanh(X[i]))) - Y[i]) ** 2)
+        params = gate.trainable_variables + dense.trainable_variables
+        grads = tape.gradient(loss, params)
+        opt.apply_gradients(zip(grads, params))
+        losses.append(float(loss))
+        if bump:
+            gate.calls += 1
+    return losses, [v.numpy() for v in gate.variables + dense.variables]
+
+
+@pytest.mark.parametrize("bump", [False, True])
+def test_a_read_inside_a_unit_is_fetched_once_skip_mode_makes_it(monkeypatch, bump):
+    monkeypatch.setattr(session_module, "_KERAS_LAYER_MODULES",
+                        session_module._KERAS_LAYER_MODULES + (__name__,))
+    eager = _gate_program(tf.GradientTape, bump)
+    got = _gate_program(tf.TerraGradientTape, bump)
+    terra.end_iteration()
+    _assert_same(got, eager)
+    stats, explain = terra.stats(), terra.explain()
+    (graph,) = [g for g in SESSION._graphs if g is graph_of_last_path()]
+    reads = {f.ref for f in graph.path.trace.fetches if f.in_unit}
+    assert reads, graph.path.trace.fetches  # the layer's read, made inside its unit
+    if not bump:  # the unit is matched whole: its read is never made, nor fetched
+        assert stats["fallbacks"] == 0 and stats["graph_builds"] == 1, explain
+        assert not reads & set(graph.fetch_channels), explain
+    else:  # its guard fails every step: skip mode runs the layer op by op and makes the read;
+        # one fallback adds the fetch, then every step co-executes with it
+        assert stats["fallbacks"] == 1 and stats["graph_builds"] == 2, explain
+        assert "value needed by Python that the graph does not fetch" in explain, explain
+        assert reads <= set(graph.fetch_channels), explain
+        assert stats["phase"] in ("coexecution", "idle"), explain
+
+
+def graph_of_last_path():
+    (site,) = SESSION.sites.values()
+    return site.last_path.graph
