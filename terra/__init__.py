@@ -20,9 +20,10 @@ _tf.TerraGradientTape = GradientTape
 
 
 def config(**changes) -> dict:
-    """Change settings (see `terra.config.Config`: enabled, coexecution, max_traces,
-    max_fallbacks, xla, grappler, timeout_s, verbose, max_trace_ops); with no arguments returns
-    all current settings. Returns the previous values of the changed settings otherwise."""
+    """Change settings (see `terra.config.Config` for each: enabled, coexecution,
+    overlap_iterations, max_traces, max_fallbacks, xla, grappler, arithmetic_optimizer,
+    timeout_s, verbose, max_trace_ops, layer_units, site_graph); with no arguments returns all
+    current settings. Returns the previous values of the changed settings otherwise."""
     if not changes:
         return _config_dict()
     if "enabled" in changes or "coexecution" in changes:
