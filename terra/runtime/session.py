@@ -116,9 +116,8 @@ def skip_fetch_points(path) -> dict:
     as such and brings the value in with the next build."""
     units = (path.view.units if path.view is not None else path.usable_units()).values()
     spans = [(u.start, u.end) for u in units]
-    keep = path.outside_reads
     return {ref: after for ref, after in path.fetch_points.items()
-            if ref in keep or not any(a <= after <= b for a, b in spans)}
+            if ref in path.outside_reads or not any(a <= after <= b for a, b in spans)}
 
 
 class PathGraph:
@@ -481,8 +480,6 @@ class Iteration:
     def frame_alive(self) -> bool:
         f = sys._getframe(1)
         target = self.frame
-        if target is None:
-            return False
         while f is not None:
             if f is target:
                 return True
@@ -1224,13 +1221,8 @@ class Session:
         guard = tuple(a if isinstance(a, str) else self.guard_ref(it, a) for a in flat_args) + \
             (str(unconnected_gradients), tape._watch_accessed_variables)
         start = len(rec.trace.records)
-        rec.in_unit = True
-        rec.unit_depth += 1
-        try:
+        with _unit_python(rec, tf_constants=True):
             result = base(tape, target, sources, output_gradients, unconnected_gradients)
-        finally:
-            rec.in_unit = False
-            rec.unit_depth -= 1
         end = len(rec.trace.records)
         with _terra_reads(it):
             flat = tf.nest.flatten(result, expand_composites=True)
@@ -1279,13 +1271,8 @@ class Session:
         guard = (id(opt), settings) + tuple(
             x if isinstance(x, str) else self.guard_ref(it, x) for x in flat)
         start = len(rec.trace.records)
-        rec.in_unit = True
-        rec.unit_depth += 1
-        try:
+        with _unit_python(rec, tf_constants=True):
             result = original(opt, pairs)
-        finally:
-            rec.in_unit = False
-            rec.unit_depth -= 1
         usable = not any(isinstance(g, tuple) for g in guard[2:] if g is not None)
         if usable and not rec.too_long:
             rec.units[start] = GradUnit(start, len(rec.trace.records), guard, ())
@@ -1326,12 +1313,11 @@ class Session:
             guard_of(x._terra_materialize() if isinstance(x, Placeholder) else x) for x in flat)
         start = len(rec.trace.records)
         self._layer_depth += 1
-        rec.unit_depth += 1
         try:
-            result = original(layer, *args, **kwargs)
+            with _unit_python(rec):
+                result = original(layer, *args, **kwargs)
         finally:
             self._layer_depth -= 1
-            rec.unit_depth -= 1
         with _terra_reads(it):
             outs = tf.nest.flatten(result, expand_composites=True)
             structure = _shape_of(result)
@@ -1386,9 +1372,7 @@ class Session:
         guard = self._function_guard(it, fn, flat)  # after the call: data arguments are feeds now
         with _terra_reads(it):
             outs = tf.nest.flatten(result, expand_composites=True)
-            composite = len(outs) != len(tf.nest.flatten(result))
-            structure = _shape_of(result) if composite else \
-                tf.nest.map_structure(lambda _: 0, result)
+            structure = _shape_of(result)
         refs = [rec.ref_of(t) if isinstance(t, tfp.EagerTensorBase) else None for t in outs]
         usable = (end > start and not rec.too_long
                   and not any(isinstance(g, tuple) and g[0] == "external" for g in guard[2:])
@@ -1711,6 +1695,22 @@ def _install_function_unit():
 
 def _with_reason(d: Divergence, reason: str) -> Divergence:
     return Divergence(d.location, d.expected, d.observed, d.position, reason)
+
+
+@contextlib.contextmanager
+def _unit_python(rec, tf_constants=False):
+    """While the Python of a coarse unit runs under `rec` (tracing): its reads are marked
+    `Fetch.in_unit`; with `tf_constants` (tape.gradient, apply_gradients), NumPy values it
+    makes are TF's own constants (`ContinuingRecorder._ref`)."""
+    rec.unit_depth += 1
+    if tf_constants:
+        rec.in_unit = True
+    try:
+        yield
+    finally:
+        rec.unit_depth -= 1
+        if tf_constants:
+            rec.in_unit = False
 
 
 @contextlib.contextmanager
