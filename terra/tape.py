@@ -14,6 +14,15 @@ from terra.runtime.placeholders import Placeholder
 from terra.runtime.session import SESSION, _real
 
 
+# Inside a tf.function this tape is a plain tape, and AutoGraph must call Terra's code as it is
+# (`__enter__`/`__exit__` are called by the interpreter, never converted, and must see the
+# caller's frame):
+# converting it gains nothing, and AutoGraph's cache of converted functions once handed one
+# converted method another's code (`tf__guard_ref() takes 3 positional arguments but 6 were
+# given`, depending on which functions earlier tests had converted).
+_not_converted = tf.autograph.experimental.do_not_convert
+
+
 class GradientTape(tf.GradientTape):
     """Same constructor and methods as `tf.GradientTape`."""
 
@@ -34,6 +43,7 @@ class GradientTape(tf.GradientTape):
         SESSION.tape_exit(self, typ)
         return result
 
+    @_not_converted
     def watch(self, tensor):
         it = SESSION.iteration
         skipping = it is not None and it.mode == "skip" and self in it.tapes
@@ -59,14 +69,17 @@ class GradientTape(tf.GradientTape):
                 now.append(t._terra_materialize())
         return now, later
 
+    @_not_converted
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         return SESSION.gradient(self, target, sources, output_gradients, unconnected_gradients)
 
+    @_not_converted
     def jacobian(self, target, sources, *args, **kwargs):
         SESSION.force_eager("tape.jacobian")
         return super().jacobian(_real(target), _real(sources), *args, **kwargs)
 
+    @_not_converted
     def batch_jacobian(self, target, source, *args, **kwargs):
         SESSION.force_eager("tape.batch_jacobian")
         return super().batch_jacobian(_real(target), _real(source), *args, **kwargs)

@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from terra import _tf_private as tfp
+from terra.ir.op_kinds import HOST_OPS
 from terra.ir.records import ConstRef, FeedRef, OutputRef, Trace, VariableRef
 
 
@@ -113,6 +114,11 @@ class _Builder:
         raise TypeError(f"replay: unknown input ref {ref!r}")
 
     def op(self, rec):
+        if rec.op_type in HOST_OPS:  # runs on the program's thread (op_kinds.HOST_OPS)
+            for r in rec.input_refs():
+                if isinstance(r, FeedRef):
+                    self.value(r)  # dequeued all the same: the channels stay in step
+            return []
         op_def = tfp.get_op_def(rec.op_type)
         attrs = dict(rec.attrs)
         kwargs, inferred = {}, set()

@@ -48,6 +48,27 @@ class Location:
             where += " [" + ", ".join(map(repr, self.loops)) + "]"
         return where
 
+    def describe(self) -> str:
+        """For messages: the innermost frame of the program's own code and the frame that issued
+        the op, as ``file:line (function)`` (a bytecode offset names a call exactly; a line is
+        what a user can find)."""
+        if not self.frames:
+            return "<no location>"
+        lines = [FRAME_LINES.get(f, (f, False)) for f in self.frames]
+        own = [i for i, (_, library) in enumerate(lines) if not library]
+        shown = sorted({own[-1], len(lines) - 1} if own else {len(lines) - 1})
+        parts = []
+        for k, i in enumerate(shown):
+            if k and i > shown[k - 1] + 1:
+                parts.append("…")
+            parts.append(lines[i][0])
+        return " > ".join(parts)
+
+
+# Frame label (``file:function@offset``) -> (``file:line (function)``, whether the frame is
+# library code (TF, Keras, site-packages)); filled as labels are made (terra/tracing/locations.py).
+FRAME_LINES: dict = {}
+
 
 # ------------------------------------------------------------------------------------ input refs
 @dataclass(frozen=True, slots=True)
@@ -186,7 +207,8 @@ class Trace:
     unsupported: list = field(default_factory=list)
     # Optional, added for replay and skip mode (empty by default):
     functions: dict = field(default_factory=dict)        # function name -> callable function object
-    unseeded_random: list = field(default_factory=list)  # indices of stateful random ops without a
+    unseeded_random: list = field(default_factory=list)  # indices of function calls whose bodies
+    #                                                      hold stateful random ops without a
     #                                                      generator: graph replay cannot reproduce them
     fast_fallbacks: list = field(default_factory=list)   # indices of records whose fast-path attempt
     #                                                      raised the fallback exception first

@@ -20,11 +20,12 @@ import numpy as np
 import tensorflow as tf
 
 from terra import _tf_private as tfp
+from terra.ir.op_kinds import HOST_OPS
 from terra.ir.records import ConstRef, Feed, FeedRef, Fetch, OutputRef, Trace, VariableRef
 from terra.runtime.placeholders import Placeholder
 from tensorflow.python.eager import execute as _execute
 
-from terra.tracing.recorder import Recorder, _frozen_value
+from terra.tracing.recorder import Recorder, frozen_value
 
 # Ops whose first input is a variable they update (anything else taking a variable only reads).
 _READ_ONLY = frozenset({"ReadVariableOp", "VariableShape", "VarIsInitializedOp",
@@ -36,7 +37,7 @@ def written_variables(trace: Trace) -> list:
     keys = []
     seen = set()
     for rec in trace.records:
-        if rec.op_type in _READ_ONLY:
+        if rec.op_type in _READ_ONLY or rec.op_type in HOST_OPS:  # a summary writer: not ours
             continue
         for r in rec.input_refs():
             if isinstance(r, VariableRef) and r.key not in seen:
@@ -225,6 +226,8 @@ class EagerReplay:
         return self.env
 
     def _run_one(self, rec, ctx, _execute):
+        if rec.op_type in HOST_OPS:  # the program's thread ran it when it got there
+            return
         inputs = self._flat_inputs(rec)
         if rec.route == "function":
             fn = self.trace.functions[rec.function]
@@ -306,16 +309,16 @@ class ContinuingRecorder(Recorder):
                 v.shape.num_elements() <= self.const_limit and id(v) not in self._born:
             # an integer tensor gradient code made invisibly (TF's caches): a shape constant,
             # fixed for a path (its feed shapes are part of the path's signature)
-            return ConstRef(_frozen_value(v.numpy(), v.dtype.name), v.dtype.name)
+            return ConstRef(frozen_value(v.numpy(), v.dtype.name), v.dtype.name)
         if isinstance(v, tfp.EagerTensorBase):
             born = self._born.get(id(v))
             if born is not None and born[0] is v and isinstance(born[1], (np.ndarray, np.generic)) \
                     and born[1].size <= self.const_limit and v.dtype.name != "string":
-                return ConstRef(_frozen_value(born[1], v.dtype.name), v.dtype.name)
+                return ConstRef(frozen_value(born[1], v.dtype.name), v.dtype.name)
         elif isinstance(v, (np.ndarray, np.generic)) and v.size <= self.const_limit and \
                 v.dtype.kind in "biuf":
             d = dtype or tf.as_dtype(v.dtype).name
-            return ConstRef(_frozen_value(v, d), d)
+            return ConstRef(frozen_value(v, d), d)
         return super()._ref(v, dtype)
 
     def fetch(self, tensor, how: str) -> None:

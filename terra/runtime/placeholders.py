@@ -73,6 +73,10 @@ class Placeholder(tfp.Tensor):
 
     _USE_EQUALITY = True
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.__name__ = _EAGER_TYPE_NAME  # see the note at the end of this module
+
     @classmethod
     def create(cls, dtype, shape, resolver, terra_id=None):
         _check_resolver(resolver)
@@ -118,6 +122,10 @@ class Placeholder(tfp.Tensor):
         if not self.shape.is_compatible_with(shape):
             raise ValueError(f"shape {shape} is incompatible with {self.shape} of {self._name}")
         self.__dict__["_shape_val"] = self._shape_val.merge_with(shape)
+
+    def _datatype_enum(self):
+        # read by TF's eager fallback (`convert_to_mixed_eager_tensors`) from converted inputs
+        return self._dtype.as_datatype_enum
 
     @property
     def device(self):
@@ -235,13 +243,19 @@ class Placeholder(tfp.Tensor):
         v = self.__dict__.get("_terra_value")
         if v is not None and not name.startswith("__"):
             return getattr(v, name)
-        raise AttributeError(f"{type(self).__name__} {self.__dict__.get('_name')!r} "
-                             f"has no attribute {name!r}")
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
 
     def __setattr__(self, name, value):
         # Keras and TF set private attributes on tensors (e.g. `_keras_mask`); keep them on the
         # placeholder itself so they survive a re-bind.
         self.__dict__[name] = value
+
+
+# Python names an object's type in its own errors (`x[0] = 1`: "'...' object does not support
+# item assignment") by the type's `__name__`. A placeholder stands for an eager tensor, so the
+# program must read what eager says; `__qualname__` (in `repr(type(x))`) keeps the real name.
+_EAGER_TYPE_NAME = f"{tfp.EagerTensor.__module__}.{tfp.EagerTensor.__name__}"
+Placeholder.__name__ = _EAGER_TYPE_NAME
 
 
 def is_placeholder(x):

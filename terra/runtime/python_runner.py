@@ -24,10 +24,11 @@ from typing import Any, Optional
 import numpy as np
 
 from terra import _tf_private as tfp
+from terra.ir.op_kinds import HOST_OPS
 from terra.ir.records import ConstRef, FeedRef, Fetch, OutputRef, Trace, VariableRef
 from terra.runtime.placeholders import Placeholder
 from terra.tracing import hook
-from terra.tracing.recorder import _frozen_value, _is_python_value, freeze_attr
+from terra.tracing.recorder import frozen_value, _is_python_value, freeze_attr
 
 
 PAST_END = "op after the end of the path"
@@ -87,7 +88,10 @@ class SkipPlaceholder(Placeholder):
 
     def __tf_tensor__(self, dtype=None, name=None):
         owner = self.__dict__.get("_terra_owner")
-        if owner is not None and owner.skipping:  # the op is skipped too: hand it the placeholder
+        # the op is skipped too: hand it the placeholder. Only while the hook routes this
+        # thread's ops to the owner: an op that runs for real (the iteration has ended, or
+        # another thread converts) must get the value, or TF's execute gets no tensor at all
+        if owner is not None and owner.skipping and hook.active() is owner:
             return self
         return super().__tf_tensor__(dtype, name)
 
@@ -194,7 +198,10 @@ class PythonRunner(hook.Interceptor):
             return run()
         mark = len(self.fed_order)
         try:
-            return self._skip(op_type, inputs, attrs, route)
+            outs = self._skip(op_type, inputs, attrs, route)
+            if op_type in HOST_OPS:  # matched: now it really runs, on the fetched inputs
+                return run()         # (the execute hook resolves the placeholders in place)
+            return outs
         except Diverged as d:
             self._rollback(mark)
             if d.divergence.reason != "graph error":
@@ -229,8 +236,11 @@ class PythonRunner(hook.Interceptor):
 
     def _skip(self, op_type, inputs, attrs, route):
         view, p = self.view, self.pos
-        if route == "fast" and p < view.n and view.records[p].route == "fallback" and \
-                p in view.fast_fallbacks and view.records[p].op_type == op_type:
+        if route == "fast" and p < view.n and view.records[p].op_type == op_type and (
+                op_type in HOST_OPS or view.records[p].route == "fallback" and
+                p in view.fast_fallbacks):
+            # a host op runs for real, and only the slow route hands over an input list whose
+            # placeholders can be resolved in place
             self._raised = op_type
             raise tfp.FallbackException()
         if self.iteration.run_failed():
@@ -259,7 +269,8 @@ class PythonRunner(hook.Interceptor):
             want = rec.function if route == "function" else rec.op_type
             if (rec.route == "function") != (route == "function") or want != op_type:
                 self._diverge("different op", rec.function or rec.op_type, op_type)
-            self._check_full_attrs(rec, attrs, p, route)
+            if op_type not in HOST_OPS:  # a host op runs with the program's own attrs
+                self._check_full_attrs(rec, attrs, p, route)
             flat = view.flat_inputs[p]
             if len(inputs) != len(flat):
                 self._diverge("different input count", len(flat), len(inputs))
@@ -328,9 +339,9 @@ class PythonRunner(hook.Interceptor):
         if key is not None:
             f = self._frozen_cache.get(key)
             if f is None:
-                f = self._frozen_cache[key] = _frozen_value(v, dtype)
+                f = self._frozen_cache[key] = frozen_value(v, dtype)
             return f
-        return _frozen_value(v, dtype)
+        return frozen_value(v, dtype)
 
     def _match(self, v, e, rec):
         """Check one input value `v` against recorded ref `e` (feeding it when `e` is a feed)."""
@@ -341,6 +352,10 @@ class PythonRunner(hook.Interceptor):
             return
         if isinstance(v, Placeholder):  # from an earlier iteration: an external value now
             v = v._terra_materialize()
+        if isinstance(e, VariableRef) and rec.op_type in HOST_OPS and (
+                isinstance(v, tfp.EagerTensorBase) and v.dtype == _RESOURCE or
+                isinstance(v, tfp.BaseResourceVariable)):
+            return  # a host op's writer or iterator: by role (op_kinds.HOST_OPS)
         if isinstance(v, tfp.EagerTensorBase):
             if v.dtype == _RESOURCE:
                 if not (isinstance(e, VariableRef) and e.key == id(v)):

@@ -35,6 +35,7 @@ from tensorflow.core.protobuf import rewriter_config_pb2
 
 from terra import _tf_private as tfp
 from terra.compiler import replay
+from terra.compiler.shapes import shapes_fixed
 from terra.config import CONFIG
 import numpy as np
 
@@ -53,7 +54,8 @@ from terra.runtime.python_runner import (PAST_END, Diverged, Divergence, GradUni
 from terra.runtime.site_graph import SiteGraph, SiteRun
 from terra.runtime.static_values import StaticValues
 from terra.tracing import hook
-from terra.tracing.recorder import UNSEEDED_RANDOM_OPS
+from terra.ir.op_kinds import HOST_OPS, UNSEEDED_RANDOM_OPS
+from terra.tracing.recorder import frozen_value
 
 
 # ------------------------------------------------------------------------------------ hook control
@@ -242,12 +244,14 @@ def path_signature(trace: Trace, units: dict) -> tuple:
 def generalize(base: Trace, new: Trace):
     """`base` with every small constant whose value differs in `new` turned into a feed (a Python
     value the program changes, e.g. a mutated keep_prob); None if the traces differ otherwise or
-    in nothing. Feed slots are renumbered in first-use order; values are `new`'s."""
+    in nothing. Feed slots are renumbered in first-use order; values are `new`'s. A constant
+    becomes a feed only where its op's output shapes do not depend on its value (`shapes_fixed`):
+    elsewhere each value keeps its own path."""
     if len(base.records) != len(new.records):
         return None
     feeds, values, records = [], [], []
     by_base, by_new, by_const = {}, {}, {}
-    changed = False
+    changed = fed_constant = False
 
     def slot_for(key_map, key, spec, source, value):
         s = key_map.get(key)
@@ -258,7 +262,7 @@ def generalize(base: Trace, new: Trace):
         return s
 
     def merge_ref(b, n):
-        nonlocal changed
+        nonlocal changed, fed_constant
         if isinstance(b, FeedRef) and isinstance(n, FeedRef):
             spec = base.feeds[b.slot].spec
             if spec != new.feeds[n.slot].spec:
@@ -272,20 +276,27 @@ def generalize(base: Trace, new: Trace):
         if isinstance(n, ConstRef) and n.dtype != "string":
             shape = tuple(np.shape(n.value))
             if isinstance(b, ConstRef) and b.dtype == n.dtype and tuple(np.shape(b.value)) == shape:
-                changed = True
+                changed = fed_constant = True
                 # equal value pairs share a slot (one Python value used by forward and backward)
                 return FeedRef(slot_for(by_const, (b.value, n.value, n.dtype),
                                         TensorSpec(n.dtype, shape), "python-constant", n.value))
             if isinstance(b, FeedRef) and base.feeds[b.slot].source == "python-constant" and \
                     base.feeds[b.slot].spec == TensorSpec(n.dtype, shape):
                 sl = slot_for(by_base, b.slot, base.feeds[b.slot].spec, "python-constant", n.value)
-                return FeedRef(sl) if values[sl] == n.value else None
+                fed_constant = True
+                return FeedRef(sl) if _same_constant(values[sl], n.value, n.dtype) else None
         return None
+
+    def spec_of(ref):
+        if isinstance(ref, OutputRef):
+            return base.records[ref.record].outputs[ref.index]
+        return feeds[ref.slot].spec
 
     for rb, rn in zip(base.records, new.records):
         if (rb.op_type, rb.attrs, rb.route == "function", rb.function, rb.outputs) != \
                 (rn.op_type, rn.attrs, rn.route == "function", rn.function, rn.outputs):
             return None
+        fed_constant = False
         inputs = []
         for ab, an in zip(rb.inputs, rn.inputs):
             if isinstance(ab, tuple) or isinstance(an, tuple):
@@ -300,12 +311,27 @@ def generalize(base: Trace, new: Trace):
                 if m is None:
                     return None
                 inputs.append(m)
-        records.append(replace(rb, inputs=tuple(inputs)))
+        merged = replace(rb, inputs=tuple(inputs))
+        if fed_constant and not shapes_fixed(merged, spec_of):
+            return None
+        records.append(merged)
     if not changed:
         return None
     return Trace(new.site, records, feeds, values, list(new.fetches), dict(new.variables),
                  list(new.unsupported), dict(new.functions), list(new.unseeded_random),
                  list(new.fast_fallbacks))
+
+
+def _same_constant(value, frozen, dtype: str) -> bool:
+    """Whether feed value `value` (a frozen constant, a Python or NumPy value, or an EagerTensor
+    when the slot was first merged from two feeds) is the constant `frozen`, by value. `==` on a
+    tensor or an array compares elementwise, and its truth value raises."""
+    if isinstance(value, tfp.EagerTensorBase):
+        value = value.numpy()
+    try:
+        return frozen_value(value, dtype) == frozen
+    except (TypeError, ValueError):  # not convertible to the constant's dtype: not equal
+        return False
 
 
 @dataclass(eq=False)
@@ -915,7 +941,7 @@ def _with_location(error, it, index, late=False):
     if rec is None:
         return error
     extra = (f"terra: raised by op #{index} {rec.function or rec.op_type} recorded at "
-             f"{rec.location!r} in iteration {it.number} at {it.site.label}")
+             f"{rec.location.describe()} in iteration {it.number} at {it.site.label}")
     if late:
         extra += "; it ran after that iteration's last sync point, so it surfaces here"
     return extended_error(error, extra, index)
@@ -997,7 +1023,8 @@ class Session:
         if it is None or it.path is None or index >= len(it.path.trace.records):
             return None
         rec = it.path.trace.records[index]
-        return f"terra: raised by op #{index} {rec.function or rec.op_type} recorded at {rec.location!r}"
+        return (f"terra: raised by op #{index} {rec.function or rec.op_type} recorded at "
+                f"{rec.location.describe()}")
 
     def _event(self, kind, site, it_number, detail, where=""):
         e = Event(kind, site.label, it_number, detail, where or "")
@@ -1464,6 +1491,11 @@ class Session:
         live = _liveouts(rec)
         self.traces += 1
         site = it.site
+        if not trace.records:
+            # no TF op ran (the program raised, or skipped the step, before its first op): no
+            # evidence about the site's paths, so nothing is filed and nothing counts against it
+            self._event("trace", site, it.number, "empty iteration (no TF op ran): not filed")
+            return
         site.traces += 1
         units = _units_for(trace, rec.units)
         why = _uncompilable(trace, units)
@@ -1758,9 +1790,11 @@ def _var_ref(x):
 
 def _units_for(trace, units) -> dict:
     """Copies of the recorded units with the feeds first used inside each (for this trace);
-    units that read a non-tensor feed first inside are dropped."""
+    units that read a non-tensor feed first inside, or hold a host op, are dropped."""
     out = {}
     for start, u in units.items():
+        if any(r.op_type in HOST_OPS for r in trace.records[u.start:u.end]):
+            continue  # skipping the unit whole would skip a host op Python must run
         feeds = _unit_feeds(trace, u)
         if feeds is not None:
             out[start] = GradUnit(u.start, u.end, u.guard, u.result, feeds, u.structure)
@@ -1809,8 +1843,6 @@ def _uncompilable(trace, units=None) -> str | None:
         return "a tf.function call outside a coarse unit (arguments Terra cannot guard)"
     if any(f.spec.dtype in ("variant", "resource", "string") for f in trace.feeds):
         return "a feed of a type channels cannot carry"
-    if not trace.records:
-        return "empty iteration"
     return unsnapshotable(trace)
 
 

@@ -36,7 +36,9 @@ class Interceptor:
         list args), `attrs` the flat (name, value, ...) tuple of *non-inferred* attrs as given.
         `run()` may raise `tfp.FallbackException`; TF then retries the same op on route
         "fallback". A skip-mode runtime raises it itself to keep TF on the same route.
-      - route "fallback": `inputs` is the flat list of converted tensors, `attrs` the full attrs.
+      - route "fallback": `inputs` is the flat list of converted tensors, `attrs` the full attrs
+        (an empty tuple where TF passes None: ops whose wrapper has no attrs to give, such as
+        LogicalAnd).
       - route "function": `op_type` is the function name, `inputs` its flat tensor inputs.
       Return what `run()` returns (a Tensor, a list of Tensors, or None) or a substitute.
     """
@@ -127,7 +129,7 @@ def _wrap_execute(orig):
         if _active is None or _busy or _get_ident() != _thread:
             return orig(op_name, num_outputs, inputs, attrs, ctx, name)
         op_type = op_name.decode() if isinstance(op_name, bytes) else op_name
-        return _dispatch(_active, op_type, inputs, attrs, _route(op_type),
+        return _dispatch(_active, op_type, inputs, attrs or (), _route(op_type),
                          lambda: orig(op_name, num_outputs, _real_inputs(inputs), attrs, ctx,
                                       name))
     return execute
@@ -139,7 +141,7 @@ def _wrap_execute_with_cancellation(orig):
         if _active is None or _busy or _get_ident() != _thread:
             return orig(op_name, num_outputs, inputs, attrs, ctx, cancellation_manager, name)
         op_type = op_name.decode() if isinstance(op_name, bytes) else op_name
-        return _dispatch(_active, op_type, inputs, attrs, _route(op_type),
+        return _dispatch(_active, op_type, inputs, attrs or (), _route(op_type),
                          lambda: orig(op_name, num_outputs, _real_inputs(inputs), attrs, ctx,
                                       cancellation_manager, name))
     return execute_with_cancellation
@@ -194,6 +196,10 @@ def _wrap_fetch(how):
 def _wrap_constant_value(orig):
     def constant_value(tensor, partial=False):
         global _busy
+        if hasattr(tensor, "_terra_materialize"):
+            # a placeholder stands for an eager tensor, whose constant value eager reads (TF's
+            # graph-only fallback, `try_evaluate_constant`, would ask it for a graph)
+            tensor = tensor._terra_materialize()
         if _active is None or _busy or _get_ident() != _thread:
             return orig(tensor, partial)
         _busy = True

@@ -32,7 +32,7 @@ import sys
 import sysconfig
 import warnings
 
-from terra.ir.records import Location, LoopIter
+from terra.ir.records import FRAME_LINES, Location, LoopIter
 
 _TERRA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _LIBRARY_DIRS = tuple(sorted({os.path.realpath(p) + os.sep for key in ("stdlib", "platstdlib",
@@ -51,15 +51,26 @@ class CodeInfo:
     backward-jump target to whether it starts a source line (then a line event there can also be
     plain fall-through, told apart by the previous event's offset).
     """
-    __slots__ = ("label", "internal", "library", "loops", "loop_ids", "traced")
+    __slots__ = ("label", "internal", "library", "loops", "loop_ids", "traced", "code", "file",
+                 "name")
 
     def __init__(self, code):
-        self.label = f"{os.path.basename(code.co_filename)}:{getattr(code, 'co_qualname', code.co_name)}"
+        self.code, self.file = code, os.path.basename(code.co_filename)
+        self.name = getattr(code, "co_qualname", code.co_name)
+        self.label = f"{self.file}:{self.name}"
         self.internal = code.co_filename.startswith(_TERRA_DIR)
         self.library = os.path.realpath(code.co_filename).startswith(_LIBRARY_DIRS)
         self.loops = () if self.internal else find_loops(code)
         self.loop_ids = tuple(f"{self.label}@{start}" for start, _, _ in self.loops)
         self.traced = bool(self.loops) and not self.library  # user code with loops: line events
+
+
+def _line(code, lasti) -> int | None:
+    """Source line of the instruction at bytecode offset `lasti`."""
+    for start, end, line in code.co_lines():
+        if start <= lasti < end:
+            return line
+    return None
 
 
 def find_loops(code) -> tuple:
@@ -308,6 +319,8 @@ def _build(key) -> Location:
         label = _frame_labels.get((info, lasti))
         if label is None:
             label = _frame_labels[(info, lasti)] = f"{info.label}@{lasti}"
+            FRAME_LINES[label] = (f"{info.file}:{_line(info.code, lasti)} ({info.name})",
+                                  info.library)
         frames.append(label)
         for i, it in iters:
             loops.append(LoopIter(info.loop_ids[i], it))

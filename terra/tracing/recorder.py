@@ -15,25 +15,18 @@ arrays, large constants). Anything the recorder cannot represent is named in `Tr
 from __future__ import annotations
 
 import sys
-import warnings
 
 import numpy as np
 import tensorflow as tf
 
 from terra import _tf_private as tfp
+from terra.ir.op_kinds import HOST_OPS
 from terra.ir.records import (ConstRef, Feed, FeedRef, Fetch, OpRecord, OutputRef, TensorSpec,
                               Trace, VariableRef)
 from terra.tracing import hook
 from terra.tracing.locations import Locator, code_info, pause_tracking, resume_tracking
 
 DEFAULT_CONST_LIMIT = 16
-
-# Stateful random ops that draw from the op's hidden seed state: graph replay cannot reproduce
-# them (Generator / SeedGenerator ops keep their state in variables and replay exactly).
-UNSEEDED_RANDOM_OPS = frozenset({
-    "RandomStandardNormal", "RandomUniform", "RandomUniformInt", "TruncatedNormal",
-    "Multinomial", "RandomShuffle", "RandomGamma", "RandomGammaGrad", "RandomPoisson",
-    "RandomPoissonV2", "ParameterizedTruncatedNormal", "RandomCrop", "RandomBinomial"})
 
 # Ops whose replay would create or destroy state instead of reusing it.
 STATE_CREATING_OPS = frozenset({"VarHandleOp", "DestroyResourceOp", "_VarHandlesOp",
@@ -122,7 +115,7 @@ def _python_dtype(v) -> str:
     return tf.as_dtype(a.dtype).name
 
 
-def _frozen_value(value, dtype: str):
+def frozen_value(value, dtype: str):
     """Hashable by-value form of a small constant (nested tuples of Python scalars)."""
     if dtype == "string":
         a = np.asarray(value, dtype=object)
@@ -379,16 +372,21 @@ class Recorder(hook.Interceptor):
                 full = self._frozen_attrs(info, attrs)
                 per_arg = _regroup(info, list(inputs), full)
             refs = tuple(self._arg_refs(arg, v, full) for arg, v in zip(info.inputs, per_arg))
+            if op_type in HOST_OPS:  # eager's per-call seeds: a host op runs as the program says
+                full = {k: v for k, v in full.items() if k not in ("seed", "seed2")}
             frozen = tuple(sorted(full.items()))
             if op_type in STATE_CREATING_OPS:
                 self._problems.append("creates state")
-            if op_type in UNSEEDED_RANDOM_OPS:
-                trace.unseeded_random.append(index)
-                warnings.warn(f"terra: {op_type} (stateful random op without a Generator) at "
-                              f"{location!r}: a replayed graph draws different numbers; use "
-                              f"tf.random.Generator or keras.random.SeedGenerator", RuntimeWarning)
         rec = OpRecord(index, op_type, frozen, refs, tuple(_spec(t) for t in outputs), location,
                        route, function)
+        if op_type in HOST_OPS:
+            # skip mode runs it on fetched inputs (fetch them from the first graph on), and its
+            # outputs are data from outside the graph: whoever consumes them takes a feed
+            for v in inputs:
+                for e in (v if isinstance(v, (list, tuple)) else (v,)):
+                    if isinstance(e, tfp.EagerTensorBase):
+                        self.fetch(e, "host-op")
+            outputs = []
         self._add(rec, outputs)
         for problem in self._problems:
             trace.unsupported.append(f"{op_type}: {problem}")
@@ -497,11 +495,11 @@ class Recorder(hook.Interceptor):
             if born is not None and born[0] is v and _is_python_value(born[1]):
                 if v.shape.num_elements() <= self.const_limit and v.dtype.name != "string" or \
                         v.dtype.name == "string" and v.shape.rank == 0:
-                    return ConstRef(_frozen_value(born[1], v.dtype.name), v.dtype.name)
+                    return ConstRef(frozen_value(born[1], v.dtype.name), v.dtype.name)
                 return self._feed(v, _spec(v), "python-constant")
             if born is not None and born[0] is v and isinstance(born[1], np.ndarray):
                 if id(v) in self._library_arrays and v.dtype.name != "string":
-                    return ConstRef(_frozen_value(born[1], v.dtype.name), v.dtype.name)
+                    return ConstRef(frozen_value(born[1], v.dtype.name), v.dtype.name)
                 # The user's array is the feed value, so it can be substituted by identity.
                 return self._feed(v, _spec(v), "numpy", value=born[1])
             return self._feed(v, _spec(v), "eager-tensor")
@@ -516,7 +514,7 @@ class Recorder(hook.Interceptor):
             d = dtype or _python_dtype(v)
             a = np.asarray(v)
             if a.size <= self.const_limit:
-                return ConstRef(_frozen_value(v, d), d)
+                return ConstRef(frozen_value(v, d), d)
             return self._feed(v, TensorSpec(d, tuple(a.shape)), "python-constant")
         raise _Unsupported(f"input of type {type(v).__name__}")
 

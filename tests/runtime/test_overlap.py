@@ -5,6 +5,7 @@ iteration i+1 waits for run i, that values kept from iteration i resolve after i
 what happens when run i fails after iteration i's last sync point (the error surfaces at the next
 sync point, variables exactly as eager leaves them at the error)."""
 import os
+import re
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -146,6 +147,11 @@ def test_error_after_the_last_sync_point_surfaces_at_the_next_one(overlap, last)
         (t_errors, explain)
     assert "indices" in t_errors[0][1] or "index" in t_errors[0][1], t_errors
     assert "terra: raised by op" in t_errors[0][1], t_errors
+    # the program's own line, not a bytecode offset
+    assert re.search(r"test_overlap\.py:(\d+) \(_late_error_program\) > ", t_errors[0][1]), t_errors
+    line = int(re.search(r"test_overlap\.py:(\d+) \(_late_error_program\)", t_errors[0][1])[1])
+    assert ("scatter_nd_update" if last else "tf.gather(table") in \
+        open(__file__).read().splitlines()[line - 1]
     # the variables are exactly what eager leaves at the error (iteration 7 wrote nothing yet)
     for a, b in zip(t_at, e_at):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

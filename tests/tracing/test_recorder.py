@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from tensorflow.python.framework import tensor_util
-from tensorflow.python.ops import gen_math_ops
+from tensorflow.python.ops import gen_math_ops, gen_random_ops
 
 from terra import _tf_private as tfp
 from terra.ir.records import ConstRef, FeedRef, OutputRef, VariableRef
@@ -100,13 +100,23 @@ def test_unsupported_ops_are_named_and_iteration_still_runs():
         compile_trace(rec.trace)
 
 
-def test_unseeded_random_is_flagged():
-    with pytest.warns(RuntimeWarning, match="RandomStandardNormal"):
+def test_unseeded_random_ops_are_host_ops_whose_outputs_are_feeds():
+    """A stateful random op without a Generator is recorded (skip mode runs it on the program's
+    thread) without its per-call seed attrs; the op consuming its draw takes a feed."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         with Recorder() as rec:
-            tf.random.normal((2,))
-            tf.random.Generator.from_seed(1).normal((2,))
-    flagged = [rec.trace.records[i].op_type for i in rec.trace.unseeded_random]
-    assert flagged == ["RandomStandardNormal"]
+            r = gen_random_ops.random_standard_normal((2,), tf.float32)
+            y = r * 2.0
+            g = tf.random.Generator.from_seed(1).normal((2,))
+    recs = rec.trace.records
+    rnd = [r for r in recs if r.op_type == "RandomStandardNormal"]
+    assert len(rnd) == 1 and rnd[0].attr("seed") is None and rnd[0].attr("seed2") is None
+    assert not rec.trace.unseeded_random
+    assert rec.ref_of(r) is None  # not a produced value: a feed where it is consumed
+    assert rec.trace.records[rec.ref_of(y).record].inputs[0] == FeedRef(0)
+    assert rec.trace.feed_values[0] is r
+    assert isinstance(rec.ref_of(g), OutputRef)  # a Generator's draw is computed in the graph
 
 
 def test_output_refs_are_consistent_in_a_keras_step():

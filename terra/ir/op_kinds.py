@@ -1,0 +1,28 @@
+"""Op types that every layer treats by kind: one table here, read by tracing, compiler and
+runtime alike (the way JAX keys rules by primitive)."""
+
+# Stateful random ops without a Generator: each eager call draws from a kernel whose state TF
+# keeps per (seed, seed2) attrs and per op instance; a graph's copy of the op draws another
+# sequence. (RandomGammaGrad is pure; it is listed so that function bodies holding it are
+# reported with the others.)
+UNSEEDED_RANDOM_OPS = frozenset({
+    "RandomStandardNormal", "RandomUniform", "RandomUniformInt", "TruncatedNormal",
+    "Multinomial", "RandomShuffle", "RandomGamma", "RandomGammaGrad", "RandomPoisson",
+    "RandomPoissonV2", "ParameterizedTruncatedNormal", "RandomCrop", "RandomBinomial"})
+
+# Host ops run on the program's thread, at the moment the program issues them, exactly as often
+# as in eager, and never in a generated graph:
+# - their effect lies outside TF's variables (printing, writing summaries, taking the next element
+#   of a tf.data iterator, drawing from a stateful random kernel), so a graph that runs ahead of
+#   Python, or an eager replay of ops Python already went through, would repeat or reorder it;
+# - skip mode matches the record, then runs the op for real on its fetched inputs; its outputs
+#   are real tensors, which the ops that consume them take as feeds (the recorder never lists
+#   them as produced values, so the traced path already has feeds there);
+# - a generated graph leaves the op out but still dequeues its feeds, keeping the channels in
+#   step; a resource input (a summary writer, an iterator) is taken by role, not by identity
+#   (each epoch makes a new iterator).
+HOST_OPS = frozenset({
+    "PrintV2", "WriteSummary", "WriteScalarSummary", "WriteHistogramSummary",
+    "WriteImageSummary", "WriteAudioSummary", "WriteGraphSummary", "WriteRawProtoSummary",
+    "FlushSummaryWriter", "IteratorGetNext", "IteratorGetNextSync",
+}) | (UNSEEDED_RANDOM_OPS - {"RandomGammaGrad"})
