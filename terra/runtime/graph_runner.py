@@ -125,11 +125,13 @@ _live_runners = weakref.WeakSet()
 
 
 @atexit.register
-def _cancel_live_runners():
-    # A daemon thread still blocked inside a graph at interpreter shutdown can crash TF's teardown.
+def _shut_down_live_runners():
+    # A worker thread still inside a graph (or inside TF at all) while the interpreter finalizes
+    # can crash TF's teardown: every run is cancelled and every worker thread ended first. The
+    # bound is generous: on a loaded machine a cancelled graph takes a while to unwind.
     for runner in list(_live_runners):
         try:
-            runner.cancel(timeout=1.0)
+            runner.shutdown(timeout=60.0)
         except Exception:  # noqa: BLE001, S110 - best effort at exit
             pass
 
@@ -154,6 +156,7 @@ class GraphRunner:
         self._work = collections.deque()   # not yet picked up by the worker
         self._cv = threading.Condition()
         self._thread = None
+        self._closing = False   # shutdown(): the worker ends as soon as it has no work
         self._next_index = 0
         _live_runners.add(self)
 
@@ -167,6 +170,9 @@ class GraphRunner:
         while True:
             with self._cv:
                 while not self._work:
+                    if self._closing:
+                        self._thread = None
+                        return
                     if not self._cv.wait(timeout=5.0) and not self._work:
                         self._thread = None  # idle: let the thread end; restarted on demand
                         return
@@ -203,6 +209,19 @@ class GraphRunner:
             return tfp.call_concrete_cancellable(run.fn, run.args, run.manager)
         with tfp.function_call_config(tfp.disable_grappler):  # thread-local: the worker's calls
             return tfp.call_concrete_cancellable(run.fn, run.args, run.manager)
+
+    def shutdown(self, timeout=None):
+        """Cancel every run and end the worker thread, waiting for it (bounded): used at
+        interpreter exit. A later `start` starts a worker again."""
+        self.cancel(timeout=timeout)
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(DEFAULT_TIMEOUT if timeout is None else timeout)
+        with self._cv:
+            self._closing = False
 
     # ---- user API -------------------------------------------------------------------------
     def start(self, fn, args=(), before=None, config=None):
