@@ -162,13 +162,17 @@ def worker_main(spec: dict, task: int):
     os._exit(0)
 
 
-def run_isolated(args, timeout: float = 180.0) -> dict:
+def run_isolated(args, timeout: float = 180.0, on_start=None) -> dict:
     """Run ``python -m terra.pipeline.cluster <args>`` inside ``unshare -rn`` (loopback only) and
-    return the JSON it prints last. The whole process group is killed on timeout or error."""
+    return the JSON it prints last. The whole process group is killed on timeout or error.
+    The run is a session of its own (its workers included), whose id is the pid of the process
+    `on_start(popen)` is given, if passed."""
     cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "terra.pipeline.cluster", *args])
     proc = subprocess.Popen(["unshare", "-rn", "sh", "-c", f"ip link set lo up && exec {cmd}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    if on_start is not None:
+        on_start(proc)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

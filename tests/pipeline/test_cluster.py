@@ -55,42 +55,50 @@ def test_local_cluster_rejects_bad_worker_count():
         cluster.LocalCluster(0)
 
 
-def _cluster_processes():
+def _cluster_processes(session):
+    """Worker processes of the run whose session id is `session` (other programs' workers on
+    the machine are not this test's business)."""
     found = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     cmd = f.read().replace(b"\0", b" ")
-            except OSError:
+                with open(f"/proc/{pid}/stat") as f:
+                    sid = int(f.read().rsplit(")", 1)[1].split()[3])
+            except (OSError, IndexError, ValueError):
                 continue
-            if b"terra.pipeline.cluster worker --spec" in cmd:
+            if b"terra.pipeline.cluster worker --spec" in cmd and sid == session:
                 found.append(int(pid))
     return found
 
 
 @needs_netns
 def test_a_run_past_its_time_limit_leaves_no_worker_behind():
-    before = set(_cluster_processes())
-    seen, stop = set(), threading.Event()
+    session, seen, stop = [], set(), threading.Event()
+    workers_up = threading.Event()
 
     def watch():
         while not stop.is_set():
-            seen.update(set(_cluster_processes()) - before)
+            if session:
+                seen.update(_cluster_processes(session[0]))
+                if len(seen) >= 2:
+                    workers_up.set()
             time.sleep(0.1)
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
         # far more repeats than fit in the limit, so the run is cut whatever the machine's load;
-        # workers are up after ~8 s
-        with pytest.raises(TimeoutError, match="exceeded 20"):
-            cluster.run_isolated(["demo", "--workers", "2", "--repeats", "100000"], timeout=20)
+        # the limit is long enough for 2 workers to come up on a loaded machine (~8 s idle)
+        with pytest.raises(TimeoutError, match="exceeded 60"):
+            cluster.run_isolated(["demo", "--workers", "2", "--repeats", "100000"], timeout=60,
+                                 on_start=lambda p: session.append(p.pid))
     finally:
         stop.set()
         watcher.join()
-    # each demo run starts its own 2 workers, so several runs may have come and gone
-    assert len(seen) >= 2, "the workers should have been running when the limit hit"
-    deadline = time.monotonic() + 10
-    while set(_cluster_processes()) - before and time.monotonic() < deadline:
+    assert workers_up.is_set(), "the run's 2 workers should have been running when the limit hit"
+    # the whole session was killed: its workers are gone (zombies reaped by init take a moment)
+    deadline = time.monotonic() + 60
+    while _cluster_processes(session[0]) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not set(_cluster_processes()) - before
+    assert not _cluster_processes(session[0])
