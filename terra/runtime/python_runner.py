@@ -212,7 +212,7 @@ class PythonRunner(hook.Interceptor):
                     except Diverged as d2:
                         self._rollback(mark)
                         d = d2
-            if d.divergence.reason == PAST_END:
+            if d.divergence.reason == PAST_END and not self.iteration.extended_elsewhere():
                 self.iteration.finish_past_end(d.divergence)
                 if route != "fast" and isinstance(inputs, list):
                     for i, v in enumerate(inputs):

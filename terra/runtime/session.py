@@ -781,6 +781,16 @@ class Iteration:
         return rec
 
     # ---------------------------------------------------------------- end
+    def extended_elsewhere(self) -> bool:
+        """Another path of the site goes on where this one ended, with the same ops so far: an
+        op after the end is then that path's next op (a GAN's generator step after its last
+        critic step, first traced when its optimizer created slots), not the program leaving
+        the loop, and the iteration falls back to trace it instead of ending."""
+        pos = self.runner.pos
+        prefix = self.path.signature[0][:pos]
+        return any(q is not self.path and len(q.signature[0]) > pos and
+                   q.signature[0][:pos] == prefix for q in self.site.paths.values())
+
     def finish_past_end(self, d: Divergence) -> None:
         """The program issued an op after the last op of the path (typically: the training loop
         is over): end the iteration here; that op and the next ones run eagerly, outside any
@@ -1381,7 +1391,7 @@ class Session:
                 return tf.nest.pack_sequence_as(unit.structure, out, expand_composites=True)
             except Diverged as d:
                 runner._rollback(mark)
-                if runner.pos >= runner.view.n:  # after the path's last op: the loop is over
+                if runner.pos >= runner.view.n and not it.extended_elsewhere():  # the loop is over
                     with self.internal():
                         it.finish_past_end(_with_reason(d.divergence, PAST_END))
                     return original(fn, *_real(args), **_real(kwargs))

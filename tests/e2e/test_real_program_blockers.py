@@ -103,7 +103,12 @@ def test_wgan_shaped_loop_with_kept_generator_losses_equals_eager():
     assert got[2] == eager[2]
     for a, b in zip(got[1], eager[1]):
         np.testing.assert_array_equal(a, b)
-    assert terra.stats()["graph_builds"] >= 1, terra.explain()
+    explain = terra.explain()
+    assert terra.stats()["graph_builds"] >= 1, explain
+    # the generator step follows the last critic step inside that iteration: a path that goes
+    # on past the critic-only path, not the end of the loop (it ran eagerly every step before)
+    assert "[end]" not in explain, explain
+    assert "op after the end of the path" in explain, explain
 
 
 # ------------------------------------------------------------------ 2. generalize compares by value
