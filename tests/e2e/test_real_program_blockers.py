@@ -72,13 +72,14 @@ def _wgan(Tape, steps=15):
                                keras.layers.Dense(1)])
     opt_g, opt_c = keras.optimizers.RMSprop(5e-3), keras.optimizers.RMSprop(5e-3)
     real = tf.constant(np.random.default_rng(0).normal(size=(48, 4)).astype(np.float32))
+    reals = [real[16 * k:16 * k + 16] for k in range(3)]  # tensors: fed, one path for all three
     kept, printed = [], []
     for step in range(steps):
         for k in range(3):  # three critic steps, each with its own tape
             z = g.normal([16, 2])
             with Tape() as t:
                 loss_c = tf.reduce_mean(critic(gen(z))) - \
-                    tf.reduce_mean(critic(real[16 * k:16 * k + 16]))
+                    tf.reduce_mean(critic(reals[k]))
             grads = t.gradient(loss_c, critic.trainable_variables)
             opt_c.apply_gradients(zip(grads, critic.trainable_variables))
             for w in critic.trainable_variables:
