@@ -260,6 +260,7 @@ class ContinuingRecorder(Recorder):
         self.in_unit = False   # inside tape.gradient / apply_gradients (TF's own constants)
         self.unit_depth = 0    # inside any coarse unit being recorded (its reads: Fetch.in_unit)
         self.muted = 0         # inside Terra's own reads (not fetches)
+        self.unit_reads = None  # while a coarse unit's Python runs: its (ref, value) reads
 
     def seed(self, trace: Trace, upto: int, feed_values: dict, env: dict, placeholders: dict,
              units: dict, fetches=(), replay=None, born=None) -> None:
@@ -322,10 +323,19 @@ class ContinuingRecorder(Recorder):
         return super()._ref(v, dtype)
 
     def fetch(self, tensor, how: str) -> None:
+        if self.muted:
+            return
         ref = self.ref_of(tensor)
-        if ref is not None and not self.muted:
+        if ref is not None:
             self.trace.fetches.append(Fetch(ref, len(self.trace.records), how,
                                             self.unit_depth > 0))
+        if self.unit_reads is not None:
+            real = tensor._terra_materialize() if isinstance(tensor, Placeholder) else tensor
+            if ref is None:
+                e = self._feeds.get(id(real))
+                ref = e[1] if e is not None and e[0] is real else None
+            if ref is not None:
+                self.unit_reads.append((ref, np.array(real.numpy())))
 
     def ref_of(self, tensor):
         if isinstance(tensor, Placeholder):

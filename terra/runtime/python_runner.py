@@ -68,6 +68,10 @@ class GradUnit:
     result: tuple
     feeds: tuple = ()   # slots first used inside the unit: TF-cached tensors, fed as recorded
     structure: object = None   # the recorded result when it holds composites (IndexedSlices)
+    # (ref, value) of every tensor value the unit's Python read while traced (a gradient
+    # function's `constant_value` of a slice's bounds, an optimizer's branch on a finite check):
+    # what the recorded ops were built from, so skip mode checks them before skipping the unit
+    reads: tuple = ()
 
 
 def user_line(skip_internal: bool = True, frame=None) -> str:
@@ -476,10 +480,24 @@ class PythonRunner(hook.Interceptor):
             if unit is None or unit.guard != guard:
                 self._diverge(f"{what or 'gradient call'} where the path has none", "an op",
                               what or "tape.gradient")
+        tried = {id(self.iteration.path)}
+        while True:
+            mark = len(self.fed_order)
+            for slot in unit.feeds:
+                obj = self.view.trace.feed_values[slot]
+                self._feed(slot, obj, obj)
+            changed = self._changed_read(unit)  # (after the unit's feeds: a read may need them)
+            if changed is None:
+                break
+            self._rollback(mark)
+            while True:  # another compiled path, traced with the values read now?
+                if not self.iteration.switch(changed, tried=tried):
+                    raise Diverged(changed)
+                u = self.view.units.get(self.pos)
+                if u is not None and u.guard == guard:
+                    unit = u
+                    break
         self.last_unit = unit
-        for slot in unit.feeds:
-            obj = self.view.trace.feed_values[slot]
-            self._feed(slot, obj, obj)
         self.pos = unit.end
         if self.advance is not None:
             self.advance(unit.end)
@@ -491,6 +509,21 @@ class PythonRunner(hook.Interceptor):
                 out.append(self._placeholder(self.view.records[r.record], r.index))
         return out
 
+    def _changed_read(self, unit) -> Optional[Divergence]:
+        """Why `unit` cannot be skipped as recorded: a value its Python read then is different
+        now, or cannot be known without a fetch the graph lacks (logged, so the next graph has
+        it). None if every read is the same."""
+        for ref, value in unit.reads:
+            current = self.iteration.unit_read(ref)
+            if current is None:
+                self.log_fetch(ref)
+                return Divergence(user_line(), f"fetch of {ref!r}", "no fetch", self.pos,
+                                  "value read by a unit that the graph does not fetch")
+            if current is not _UNSET and not _same_array(current, value):
+                return Divergence(user_line(), _short(value), _short(current), self.pos,
+                                  "a value the unit's Python read has changed")
+        return None
+
     def ref_of(self, x):
         """Ref of a tensor or variable for unit guards (None if it has none)."""
         r = placeholder_ref(x, self)
@@ -500,6 +533,18 @@ class PythonRunner(hook.Interceptor):
 
     def log_fetch(self, ref, how="numpy"):
         self.fetch_log.append(Fetch(ref, self.pos, how))
+
+
+_UNSET = object()  # Iteration.unit_read: a feed the unit itself supplies (as recorded)
+
+
+def _same_array(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def _short(value) -> str:
+    return np.array2string(np.asarray(value), threshold=8)[:80]
 
 
 def _guard_text(guard) -> str:
@@ -537,4 +582,5 @@ def _variable_ref(x) -> Optional[VariableRef]:
 
 
 __all__ = ["PythonRunner", "PathView", "Divergence", "Diverged", "GradUnit", "SkipPlaceholder",
-           "placeholder_ref", "user_line"]
+           "placeholder_ref", "user_line", "UNSET"]
+UNSET = _UNSET

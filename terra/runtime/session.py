@@ -49,7 +49,7 @@ from terra.runtime.fallback import (ContinuingRecorder, EagerReplay, Snapshot, b
                                     written_variables)
 from terra.runtime.graph_runner import GraphRunner, extended_error, op_node_name
 from terra.runtime.placeholders import Placeholder
-from terra.runtime.python_runner import (PAST_END, Diverged, Divergence, GradUnit, PathView,
+from terra.runtime.python_runner import (PAST_END, UNSET, Diverged, Divergence, GradUnit, PathView,
                                          PythonRunner, placeholder_ref, user_line)
 from terra.runtime.site_graph import SiteGraph, SiteRun
 from terra.runtime.static_values import StaticValues
@@ -118,8 +118,11 @@ def skip_fetch_points(path) -> dict:
     as such and brings the value in with the next build."""
     units = (path.view.units if path.view is not None else path.usable_units()).values()
     spans = [(u.start, u.end) for u in units]
+    checked = {r for u in units for r, _ in u.reads  # values skip mode checks before a unit
+               if isinstance(r, OutputRef) and path.static.get(r) is None}
     return {ref: after for ref, after in path.fetch_points.items()
-            if ref in path.outside_reads or not any(a <= after <= b for a, b in spans)}
+            if ref in path.outside_reads or ref in checked or
+            not any(a <= after <= b for a, b in spans)}
 
 
 class PathGraph:
@@ -241,12 +244,13 @@ def path_signature(trace: Trace, units: dict) -> tuple:
             tuple(sorted((u.start, u.end) for u in units.values())))
 
 
-def generalize(base: Trace, new: Trace):
+def generalize(base: Trace, new: Trace, frozen=()):
     """`base` with every small constant whose value differs in `new` turned into a feed (a Python
     value the program changes, e.g. a mutated keep_prob); None if the traces differ otherwise or
     in nothing. Feed slots are renumbered in first-use order; values are `new`'s. A constant
     becomes a feed only where its op's output shapes do not depend on its value (`shapes_fixed`):
-    elsewhere each value keeps its own path."""
+    elsewhere each value keeps its own path; nor inside the record spans `frozen` (units whose
+    Python read tensor values: their constants may be made from those values)."""
     if len(base.records) != len(new.records):
         return None
     feeds, values, records = [], [], []
@@ -297,6 +301,7 @@ def generalize(base: Trace, new: Trace):
                 (rn.op_type, rn.attrs, rn.route == "function", rn.function, rn.outputs):
             return None
         fed_constant = False
+        pinned = any(a <= rb.index < b for a, b in frozen)
         inputs = []
         for ab, an in zip(rb.inputs, rn.inputs):
             if isinstance(ab, tuple) or isinstance(an, tuple):
@@ -312,7 +317,7 @@ def generalize(base: Trace, new: Trace):
                     return None
                 inputs.append(m)
         merged = replace(rb, inputs=tuple(inputs))
-        if fed_constant and not shapes_fixed(merged, spec_of):
+        if fed_constant and (pinned or not shapes_fixed(merged, spec_of)):
             return None
         records.append(merged)
     if not changed:
@@ -627,6 +632,29 @@ class Iteration:
                 raise TerraRuntimeError(f"terra: the value of op #{ref.record} of iteration "
                                         f"{self.number} at {self.site.label} was not kept")
             return v
+
+    def unit_read(self, ref):
+        """The value a skipped unit's Python would read at `ref` now (GradUnit.reads): a feed's
+        value (UNSET: a feed the unit supplies itself, as recorded), what Python already has,
+        a value the path fixes, or a fetch; None if the graph does not fetch it."""
+        runner = self.runner
+        if isinstance(ref, FeedRef):
+            v = runner.fed.get(ref.slot)
+            if v is None:
+                return UNSET
+            return np.asarray(v._terra_materialize() if isinstance(v, Placeholder) else v)
+        ph = runner.placeholders.get((ref.record, ref.index))
+        if ph is not None and ph.is_materialized:
+            return ph.numpy()
+        v = self.path.static.get(ref)
+        if v is not None:
+            return np.asarray(v)
+        sr = self.site_run
+        fetchable = sr.fetchable(ref) if sr is not None else \
+            ref in self.path.graph.fetch_channels
+        if not fetchable or ref in self.fetched:
+            return None
+        return runner._placeholder(self.path.trace.records[ref.record], ref.index).numpy()
 
     def _early_site_liveout(self, ref):
         """`_early_liveout` on a SiteGraph: this iteration's elements precede those of later
@@ -1258,7 +1286,7 @@ class Session:
         guard = tuple(a if isinstance(a, str) else self.guard_ref(it, a) for a in flat_args) + \
             (str(unconnected_gradients), tape._watch_accessed_variables)
         start = len(rec.trace.records)
-        with _unit_python(rec, tf_constants=True):
+        with _unit_python(rec, tf_constants=True) as reads:
             result = base(tape, target, sources, output_gradients, unconnected_gradients)
         end = len(rec.trace.records)
         with _terra_reads(it):
@@ -1277,7 +1305,7 @@ class Session:
             refs.append(r)
         if usable and not rec.too_long:
             rec.units[start] = GradUnit(start, end, guard, tuple(refs),
-                                        structure=structure)
+                                        structure=structure, reads=tuple(reads))
         return result
 
     def apply_gradients(self, opt, original, grads_and_vars):
@@ -1308,11 +1336,12 @@ class Session:
         guard = (id(opt), settings) + tuple(
             x if isinstance(x, str) else self.guard_ref(it, x) for x in flat)
         start = len(rec.trace.records)
-        with _unit_python(rec, tf_constants=True):
+        with _unit_python(rec, tf_constants=True) as reads:
             result = original(opt, pairs)
         usable = not any(isinstance(g, tuple) for g in guard[2:] if g is not None)
         if usable and not rec.too_long:
-            rec.units[start] = GradUnit(start, len(rec.trace.records), guard, ())
+            rec.units[start] = GradUnit(start, len(rec.trace.records), guard, (),
+                                        reads=tuple(reads))
         return result
 
     def layer_call(self, layer, original, args, kwargs):
@@ -1337,9 +1366,12 @@ class Session:
             unit = it.runner.view.units.get(it.runner.pos)
             guard = (id(layer), settings) + tuple(guard_of(x) for x in flat)
             if unit is not None and unit.guard == guard:
-                with self.internal():
-                    out = it.runner.gradient_unit(guard)
-                return tf.nest.pack_sequence_as(unit.structure, out, expand_composites=True)
+                try:
+                    with self.internal():
+                        out = it.runner.gradient_unit(guard)
+                    return tf.nest.pack_sequence_as(unit.structure, out, expand_composites=True)
+                except Diverged:  # a value the layer's Python read differs: its ops decide
+                    pass
             self._layer_depth += 1  # no unit here: match the layer's ops one by one
             try:
                 return original(layer, *args, **kwargs)
@@ -1351,7 +1383,7 @@ class Session:
         start = len(rec.trace.records)
         self._layer_depth += 1
         try:
-            with _unit_python(rec):
+            with _unit_python(rec) as reads:
                 result = original(layer, *args, **kwargs)
         finally:
             self._layer_depth -= 1
@@ -1365,7 +1397,7 @@ class Session:
                   and not rec.too_long and len(rec.trace.records) > start)
         if usable:
             rec.units[start] = GradUnit(start, len(rec.trace.records), guard, tuple(refs),
-                                        structure=structure)
+                                        structure=structure, reads=tuple(reads))
         return result
 
     def function_call(self, fn, original, args, kwargs):
@@ -1511,11 +1543,13 @@ class Session:
         why = _uncompilable(trace, units)
         sig = path_signature(trace, units)
         path = site.paths.get(sig)
-        if path is None and why is None:
+        if path is None and why is None and not _reads_feed_values(units):
             for other in list(site.paths.values()):
-                if other.signature[2] != sig[2] or _uncompilable(other.trace, other.units):
+                if other.signature[2] != sig[2] or _uncompilable(other.trace, other.units) or \
+                        _reads_feed_values(other.units):
                     continue
-                g = generalize(other.trace, trace)
+                g = generalize(other.trace, trace, [(u.start, u.end) for u in (
+                    *units.values(), *other.units.values()) if u.reads])
                 if g is not None:
                     trace = g
                     units = _units_for(g, rec.units)
@@ -1743,14 +1777,20 @@ def _with_reason(d: Divergence, reason: str) -> Divergence:
 def _unit_python(rec, tf_constants=False):
     """While the Python of a coarse unit runs under `rec` (tracing): its reads are marked
     `Fetch.in_unit`; with `tf_constants` (tape.gradient, apply_gradients), NumPy values it
-    makes are TF's own constants (`ContinuingRecorder._ref`)."""
+    makes are TF's own constants (`ContinuingRecorder._ref`). Yields the list of (ref, value)
+    the unit's Python reads (`GradUnit.reads`)."""
     rec.unit_depth += 1
     if tf_constants:
         rec.in_unit = True
+    outer, reads = rec.unit_reads, []
+    rec.unit_reads = reads
     try:
-        yield
+        yield reads
     finally:
         rec.unit_depth -= 1
+        rec.unit_reads = outer
+        if outer is not None:
+            outer.extend(reads)  # an enclosing unit depends on them too
         if tf_constants:
             rec.in_unit = False
 
@@ -1807,8 +1847,15 @@ def _units_for(trace, units) -> dict:
             continue  # skipping the unit whole would skip a host op Python must run
         feeds = _unit_feeds(trace, u)
         if feeds is not None:
-            out[start] = GradUnit(u.start, u.end, u.guard, u.result, feeds, u.structure)
+            out[start] = GradUnit(u.start, u.end, u.guard, u.result, feeds, u.structure, u.reads)
     return out
+
+
+def _reads_feed_values(units) -> bool:
+    """A unit's Python read a feed's value: the path holds for that value only (it stays a
+    feed, checked before the unit), so the trace is not generalized (generalizing renumbers
+    feed slots and frees constants that were this value)."""
+    return any(isinstance(r, FeedRef) for u in units.values() for r, _ in u.reads)
 
 
 def _unit_feeds(trace, unit):

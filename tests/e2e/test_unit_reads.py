@@ -1,0 +1,139 @@
+"""Coarse units whose Python reads tensor values (GradUnit.reads): a gradient function that takes a
+slice's bounds with `constant_value`, an optimizer that branches on a finite check or on its
+step count. Skip mode checks those values before skipping the unit; a changed value takes
+another path or falls back, so the result is eager's. Before, the graph replayed the unit as
+it was traced: silently wrong gradients, unskipped overflows, accumulation applied every step."""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import terra  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    terra.reset()
+    yield
+    terra.reset()
+
+
+def _equal(got, eager):
+    assert len(got) == len(eager)
+    for a, b in zip(got, eager):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _tensor_index(Tape, steps=30):
+    w = tf.Variable(tf.range(5.0))
+    data = [tf.constant(i % 3) for i in range(steps)]
+    for i in range(steps):
+        with Tape() as tape:
+            y = w[data[i] + 1] * 2.0  # the slice's bounds are computed by ops: a graph value
+        w.assign_sub(0.1 * tape.gradient(y, w))
+    return [w.numpy()]
+
+
+def test_gradient_of_a_slice_at_a_computed_index_equals_eager():
+    eager = _tensor_index(tf.GradientTape)
+    got = _tensor_index(tf.TerraGradientTape)
+    terra.end_iteration()
+    _equal(got, eager)
+    s, explain = terra.stats(), terra.explain()
+    # one path per index value (the gradient's bounds are constants made from it), then
+    # switches between them at the gradient unit
+    assert (s["traces"], s["graph_builds"], s["fallbacks"]) == (6, 3, 2), explain
+    assert "a value the unit's Python read has changed" in explain
+
+
+def _sampled_index(Tape, steps=24):
+    """An actor-critic's `log(probs[0, action])` with `action` from np.random.choice."""
+    rng = np.random.RandomState(0)
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, activation="softmax")])
+    opt = keras.optimizers.Adam(0.05)
+    states = [tf.constant(rng.normal(size=(1, 3)).astype(np.float32)) for _ in range(steps)]
+    losses = []
+    for i in range(steps):
+        with Tape() as tape:
+            probs = model(states[i])
+            action = rng.choice(2, p=np.squeeze(probs))
+            loss = -tf.math.log(probs[0, action])
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+        losses.append(float(loss))
+    return [np.array(losses)] + [v.numpy() for v in model.weights]
+
+
+def test_gradient_of_a_slice_at_a_sampled_python_index_equals_eager():
+    eager = _sampled_index(tf.GradientTape)
+    got = _sampled_index(tf.TerraGradientTape)
+    terra.end_iteration()
+    _equal(got, eager)
+    assert terra.stats()["graph_builds"] >= 1, terra.explain()
+
+
+def _loss_scaled(Tape, steps=30, overflow_at=25):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(1, dtype="float32")])
+        opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2))
+        rng = np.random.default_rng(1)
+        X = [tf.constant(rng.normal(size=(8, 4)).astype(np.float32)) for _ in range(steps)]
+        Y = [tf.constant(rng.normal(size=(8, 1)).astype(np.float32)) for _ in range(steps)]
+        losses = []
+        for i in range(steps):
+            x = X[i] * (1e6 if i == overflow_at else 1.0)  # float16 overflow: skip, halve scale
+            with Tape() as tape:
+                loss = tf.reduce_mean((model(x) - Y[i]) ** 2)
+                scaled = opt.scale_loss(loss)
+            grads = tape.gradient(scaled, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            losses.append(float(loss))
+        return [np.array(losses), opt.iterations.numpy(), opt.dynamic_scale.numpy()] + \
+            [v.numpy() for v in model.weights]
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_loss_scaling_skips_an_overflowed_step_as_eager_does():
+    eager = _loss_scaled(tf.GradientTape)
+    got = _loss_scaled(tf.TerraGradientTape)
+    terra.end_iteration()
+    assert eager[1] == 29 and eager[2] == 16384.0  # the overflow was skipped, scale halved
+    _equal(got, eager)
+    assert terra.stats()["graph_builds"] >= 1, terra.explain()
+
+
+def _accumulated(Tape, steps=30):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    opt = keras.optimizers.Adam(1e-2, gradient_accumulation_steps=4)
+    rng = np.random.default_rng(1)
+    X = [tf.constant(rng.normal(size=(8, 4)).astype(np.float32)) for _ in range(steps)]
+    Y = [tf.constant(rng.normal(size=(8, 1)).astype(np.float32)) for _ in range(steps)]
+    losses = []
+    for i in range(steps):
+        with Tape() as tape:
+            loss = tf.reduce_mean((model(X[i]) - Y[i]) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+        losses.append(float(loss))
+    return [np.array(losses), opt.iterations.numpy()] + [v.numpy() for v in opt.variables] + \
+        [v.numpy() for v in model.weights]
+
+
+def test_gradient_accumulation_applies_every_fourth_step_as_eager_does():
+    eager = _accumulated(tf.GradientTape)
+    got = _accumulated(tf.TerraGradientTape)
+    terra.end_iteration()
+    _equal(got, eager)
+    s, explain = terra.stats(), terra.explain()
+    assert s["graph_builds"] >= 2 and s["path_switches"] >= 10, explain
+    assert "stays eager" not in explain
