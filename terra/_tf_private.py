@@ -202,6 +202,41 @@ def install_function_call_guard(placeholder_cls, materialize):
     _call_guard_installed = True
 
 
+
+_tensor_array_guard_installed = False
+# eager TensorArray methods whose first argument is an index (or indices) they read with `.numpy()`
+# when it is an EagerTensor, and compare with `<` / `>=` (ops, then `bool`) otherwise
+TENSOR_ARRAY_INDEX_METHODS = ("read", "_write", "gather", "scatter")
+
+
+def install_tensor_array_index_guard(placeholder_cls):
+    """Make eager TensorArrays read a placeholder index the way they read an EagerTensor's.
+
+    `_EagerTensorArray.read` (and `_write`, `gather`, `scatter`) take `index.numpy()` only for an
+    `ops.EagerTensor`; any other tensor is bounds-checked with `index < 0` and `index >= size`,
+    two ops eager never ran. A Keras RNN's step reads its inputs at a tensor time index, so on a
+    compiled path the program issued ops the trace did not have and fell back every step until
+    each loop step had been re-traced. The wrapper takes `.numpy()` of a `placeholder_cls` instance
+    (a fetch, as eager's is a read). Idempotent."""
+    global _tensor_array_guard_installed
+    if _tensor_array_guard_installed:
+        return
+    from tensorflow.python.ops import tensor_array_ops
+    cls = tensor_array_ops._EagerTensorArray  # pylint: disable=protected-access
+
+    def guard(original):
+        def method(self, index, *args, **kwargs):
+            if isinstance(index, placeholder_cls):
+                index = index.numpy()
+            return original(self, index, *args, **kwargs)
+        method.__wrapped__ = original
+        method.__name__ = original.__name__
+        return method
+
+    for name in TENSOR_ARRAY_INDEX_METHODS:
+        setattr(cls, name, guard(getattr(cls, name)))
+    _tensor_array_guard_installed = True
+
 # ---- pipeline: stage-owned saved tensors (forward/backward function pair) ----------------------
 # `tf.function` builds, under a tape, a forward function that also returns the tensors its
 # backward function needs ("side outputs") and a backward function that takes them as captured

@@ -131,3 +131,17 @@ def test_function_call_guard_is_installed_once_and_wraps():
     assert hasattr(fn, "__wrapped__")
     Placeholder.create(tf.float32, [], ConstantResolver(1.0))
     assert context.Context.call_function is fn
+
+
+def test_eager_tensor_array_reads_only_an_eager_tensor_index_with_numpy():
+    # Why install_tensor_array_index_guard exists: any other tensor index is compared with ops.
+    from tensorflow.python.ops import tensor_array_ops
+    cls = tensor_array_ops._EagerTensorArray
+    for name in tfp.TENSOR_ARRAY_INDEX_METHODS:
+        method = getattr(cls, name)
+        original = getattr(method, "__wrapped__", method)
+        params = list(inspect.signature(original).parameters)
+        arg = params[1]
+        assert arg in ("index", "indices"), (name, params)
+        src = inspect.getsource(original)
+        assert f"isinstance({arg}, ops.EagerTensor)" in src and f"{arg} = {arg}.numpy()" in src, name

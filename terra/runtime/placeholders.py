@@ -81,6 +81,7 @@ class Placeholder(tfp.Tensor):
     def create(cls, dtype, shape, resolver, terra_id=None):
         _check_resolver(resolver)
         tfp.install_function_call_guard(Placeholder, _materialize)
+        tfp.install_tensor_array_index_guard(Placeholder)
         self = object.__new__(cls)
         d = self.__dict__
         d["_dtype"] = tf.dtypes.as_dtype(dtype)
