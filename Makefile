@@ -23,6 +23,7 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
+	$(PY) -m benchmarks.real
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.run --quick
@@ -30,9 +31,12 @@ bench-quick: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-.PHONY: bench-coexec bench-pipeline results
+.PHONY: bench-coexec bench-pipeline bench-real results
 bench-coexec: $(STAMP)
 	$(PY) -m benchmarks.coexec
+
+bench-real: $(STAMP)
+	$(PY) -m benchmarks.real
 
 bench-pipeline: $(STAMP)
 	$(PY) benchmarks/pipeline.py

@@ -19,6 +19,7 @@ SECTIONS = (
     ("coexec.md", "python -m benchmarks.coexec"),
     ("hook_overhead.md", "python -m benchmarks.hook_overhead"),
     ("pipeline.md", "python benchmarks/pipeline.py"),
+    ("real.md", "make bench-real  (python -m benchmarks.real)"),
 )
 
 
