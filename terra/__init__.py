@@ -43,8 +43,10 @@ def explain() -> str:
 
 
 def end_iteration() -> None:
-    """Finish the open iteration now (otherwise the next tape or `reset` does)."""
-    _SESSION.end()
+    """Finish the open iteration now (otherwise the next tape or `reset` does). On a thread
+    whose tapes run as plain tapes (another thread's iterations are running) it does nothing."""
+    if not _SESSION.foreign():
+        _SESSION.end()
 
 
 def reset() -> None:

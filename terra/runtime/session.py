@@ -1057,6 +1057,8 @@ class Session:
         self._depth = 0
         self._layer_depth = 0
         self.pending: list = []          # finished iterations whose runs are not collected yet
+        self.owner: int | None = None    # the thread whose tapes Terra runs (threading ident)
+        self._foreign_warned: set = set()
         self.deferred_error = None       # an earlier iteration's error, raised at a sync point
         self._tape_functions: dict = {}   # forward function name -> TapeRecordedFunction
         self._function_ops: dict = {}     # function name -> op types in its body
@@ -1096,6 +1098,39 @@ class Session:
         rec = it.path.trace.records[index]
         return (f"terra: raised by op #{index} {rec.function or rec.op_type} recorded at "
                 f"{rec.location.describe()}")
+
+    def foreign(self) -> bool:
+        """Is the calling thread not the one Terra co-executes? One thread's iterations run at a
+        time (the hook intercepts one thread; an iteration's state is not shared): the first
+        thread to enter a Terra tape owns the session until it ends (`end_iteration()`,
+        `reset()`, or the thread exits), and Terra tapes on other threads are plain tapes.
+        An owner that has exited hands over here: its last iteration is finished first."""
+        me = threading.get_ident()
+        owner = self.owner
+        if owner is None or owner == me:
+            return False
+        if any(t.ident == owner for t in threading.enumerate()):
+            return True
+        try:
+            self.end()  # the owner's last iteration, which nothing else will finish
+        except Exception as e:  # noqa: BLE001 - its thread is gone: say so, do not raise here
+            warnings.warn(f"terra: the last iteration of an exited thread raised "
+                          f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+        return False
+
+    def _note_foreign(self, frame) -> None:
+        me = threading.get_ident()
+        if me in self._foreign_warned:
+            return
+        self._foreign_warned.add(me)
+        name = threading.current_thread().name
+        where = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+        self.events.append(Event("eager", where, 0, f"thread {name!r}: its Terra tapes run as "
+                                 f"plain tapes (Terra co-executes one thread at a time; another "
+                                 f"thread's iterations are running)", ""))
+        warnings.warn(f"terra: tapes on thread {name!r} run eagerly: Terra co-executes one "
+                      f"thread at a time and another thread holds it (see terra.explain())",
+                      RuntimeWarning, stacklevel=4)
 
     def _event(self, kind, site, it_number, detail, where=""):
         e = Event(kind, site.label, it_number, detail, where or "")
@@ -1195,6 +1230,10 @@ class Session:
     def tape_enter(self, tape, frame) -> None:
         if not CONFIG.enabled or not tf.executing_eagerly():  # in a tf.function: a plain tape
             return
+        if self.foreign():
+            self._note_foreign(frame)
+            return
+        self.owner = threading.get_ident()
         key = (frame.f_code, frame.f_lasti)
         it = self.iteration
         if it is not None and it.mode != "done":
@@ -1253,7 +1292,7 @@ class Session:
 
     def tape_exit(self, tape, exc_type) -> None:
         it = self.iteration
-        if it is None:
+        if it is None or self.foreign():
             return
         if tape in it.tapes:
             it.tape_exited(tape)
@@ -1296,7 +1335,8 @@ class Session:
     def gradient(self, tape, target, sources, output_gradients, unconnected_gradients):
         base = tf.GradientTape.gradient
         it = self.iteration
-        if it is None or it.mode not in ("skip", "tracing") or tape not in it.tapes:
+        if it is None or it.mode not in ("skip", "tracing") or tape not in it.tapes or \
+                self.foreign():
             return base(tape, _real(target), _real(sources), _real(output_gradients),
                         unconnected_gradients)
         flat_args = (tf.nest.flatten(target) + ["|"] + tf.nest.flatten(sources) + ["|"] +
@@ -1551,7 +1591,7 @@ class Session:
     def force_eager(self, what: str) -> None:
         """Something Terra does not compile (e.g. tape.jacobian): run it eagerly, untraced."""
         it = self.iteration
-        if it is None:
+        if it is None or self.foreign():
             return
         if it.mode == "skip":
             it.fallback(Divergence(user_line(), "a compiled op", what, it.runner.pos,
@@ -1695,6 +1735,7 @@ class Session:
             self.collect_pending()
         finally:
             self.iteration = None
+            self.owner = None
             _set_active(None)
 
     def stats(self) -> dict:
@@ -1755,7 +1796,7 @@ def _install_optimizer_unit():
     original = BaseOptimizer.apply_gradients
 
     def apply_gradients(self, grads_and_vars):
-        if SESSION.iteration is None or not CONFIG.enabled:
+        if SESSION.iteration is None or not CONFIG.enabled or SESSION.foreign():
             return original(self, grads_and_vars)
         return SESSION.apply_gradients(self, original, grads_and_vars)
 
@@ -1769,7 +1810,7 @@ def _install_optimizer_unit():
     layer_call = Layer.__call__
 
     def __call__(self, *args, **kwargs):
-        if SESSION.iteration is None or not CONFIG.layer_units:
+        if SESSION.iteration is None or not CONFIG.layer_units or SESSION.foreign():
             return layer_call(self, *args, **kwargs)
         return SESSION.layer_call(self, layer_call, args, kwargs)
 
@@ -1793,7 +1834,7 @@ def _install_function_unit():
     # calls a tf.function) loses its closure: keep it out, as TF's own `__call__` is
     @tf.autograph.experimental.do_not_convert
     def __call__(self, *args, **kwargs):
-        if SESSION.iteration is None or not CONFIG.enabled:
+        if SESSION.iteration is None or not CONFIG.enabled or SESSION.foreign():
             return original(self, *args, **kwargs)
         return SESSION.function_call(self, original, args, kwargs)
 
