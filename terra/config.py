@@ -27,6 +27,10 @@ class Config:
     arithmetic_optimizer: let Grappler's arithmetic optimizer rewrite generated graphs. Off by
       default: its rewrites change rounding, which training amplifies (ResNet-50's loss moved
       24% away from eager's in 14 steps with it; equal without, docs/usage.md).
+    remapper: let Grappler's remapper fuse ops of generated graphs (MatMul / Conv2D + BiasAdd +
+      activation into one kernel). Off by default: the fused kernels differ from eager's ops on
+      NaN (a Dense layer's fused ReLU turned a NaN input into 0, so a NaN loss came out finite
+      and a user's `isfinite` guard never fired; docs/usage.md).
     timeout_s: bound of every internal wait; reaching it raises TerraTimeoutError naming the op.
     verbose: 0 silent, 1 one line per trace/fallback/graph build, 2 also per iteration.
     max_trace_ops: recording stops (site treated as unsupported) beyond this many ops.
@@ -44,6 +48,7 @@ class Config:
     xla: bool = False
     grappler: bool = True
     arithmetic_optimizer: bool = False
+    remapper: bool = False
     timeout_s: float = 120.0
     verbose: int = 0
     max_trace_ops: int = 50000
@@ -55,7 +60,7 @@ CONFIG = Config()
 
 _CHECKS = {
     "enabled": (bool,), "coexecution": (bool,), "overlap_iterations": (bool,), "xla": (bool,), "grappler": (bool,),
-    "arithmetic_optimizer": (bool,), "layer_units": (bool,), "site_graph": (bool,),
+    "arithmetic_optimizer": (bool,), "remapper": (bool,), "layer_units": (bool,), "site_graph": (bool,),
     "max_traces": (int,), "max_fallbacks": (int,), "verbose": (int,), "max_trace_ops": (int,),
     "timeout_s": (int, float),
 }

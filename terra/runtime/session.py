@@ -211,16 +211,23 @@ def _no_arithmetic_rewrites(config) -> None:
         rewriter_config_pb2.RewriterConfig.OFF
 
 
+def _no_remapping(config) -> None:
+    """Grappler without its remapper (mutates a ConfigProto): its fused kernels (MatMul + BiasAdd
+    + Relu) map a NaN input to 0 where eager's Relu gives NaN (config.remapper)."""
+    config.graph_options.rewrite_options.remapping = rewriter_config_pb2.RewriterConfig.OFF
+
+
 class _Runner(GraphRunner):
     """GraphRunner that runs graphs with or without Grappler (config.grappler), its arithmetic
-    optimizer (config.arithmetic_optimizer), and with XLA's clusters kept fusable
-    (config.xla), as configured when each run starts."""
+    optimizer (config.arithmetic_optimizer) and remapper (config.remapper), and with XLA's
+    clusters kept fusable (config.xla), as configured when each run starts."""
 
     def _call(self, run):
         if not CONFIG.grappler:
             with tfp.function_call_config(tfp.disable_grappler):
                 return super()._call(run)
         changes = [m for m, on in ((_no_arithmetic_rewrites, not CONFIG.arithmetic_optimizer),
+                                   (_no_remapping, not CONFIG.remapper),
                                    (xla.keep_fusable, CONFIG.xla)) if on]
         if not changes:
             return super()._call(run)
