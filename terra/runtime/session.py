@@ -1803,7 +1803,7 @@ def _install_optimizer_unit():
     original = BaseOptimizer.apply_gradients
 
     def apply_gradients(self, grads_and_vars):
-        if SESSION.iteration is None or not CONFIG.enabled or SESSION.foreign():
+        if SESSION.foreign() or SESSION.iteration is None or not CONFIG.enabled:
             return original(self, grads_and_vars)
         return SESSION.apply_gradients(self, original, grads_and_vars)
 
@@ -1817,7 +1817,7 @@ def _install_optimizer_unit():
     layer_call = Layer.__call__
 
     def __call__(self, *args, **kwargs):
-        if SESSION.iteration is None or not CONFIG.layer_units or SESSION.foreign():
+        if SESSION.foreign() or SESSION.iteration is None or not CONFIG.layer_units:
             return layer_call(self, *args, **kwargs)
         return SESSION.layer_call(self, layer_call, args, kwargs)
 
@@ -1841,7 +1841,7 @@ def _install_function_unit():
     # calls a tf.function) loses its closure: keep it out, as TF's own `__call__` is
     @tf.autograph.experimental.do_not_convert
     def __call__(self, *args, **kwargs):
-        if SESSION.iteration is None or not CONFIG.enabled or SESSION.foreign():
+        if SESSION.foreign() or SESSION.iteration is None or not CONFIG.enabled:
             return original(self, *args, **kwargs)
         return SESSION.function_call(self, original, args, kwargs)
 

@@ -136,3 +136,16 @@ def test_end_iteration_on_another_thread_leaves_the_running_one_alone(fresh):
     assert terra._SESSION.iteration is it and it is not None
     terra.end_iteration()
     assert terra._SESSION.iteration is None
+
+
+def test_a_layer_call_after_the_owner_exited_runs_plain(fresh):
+    """A Keras layer called outside any tape once the owning thread has exited with its last
+    iteration open: that iteration is finished, and the call runs as plain Keras."""
+    keras.utils.set_random_seed(3)
+    layer = keras.layers.Dense(2)
+    x = tf.random.normal((3, 4))
+    want = layer(x).numpy()
+    _threaded(tf.TerraGradientTape, 1, 4, end=False)
+    assert terra._SESSION.iteration is not None
+    np.testing.assert_array_equal(layer(x).numpy(), want)
+    assert terra._SESSION.iteration is None and terra._SESSION.owner is None
