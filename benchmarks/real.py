@@ -16,15 +16,13 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 from .programs import real as real_mod
-from .run import metadata
+from .run import metadata, run_worker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "results")
@@ -231,25 +229,11 @@ def worker(a):
 
 
 def run_one(name, a):
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "r.json")
-        cmd = [sys.executable, "-m", "benchmarks.real", "--worker", name, "--worker-out", out,
-               "--steps", str(a.steps), "--rounds", str(a.rounds), "--size", a.size,
-               "--seed", str(a.seed)]
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
-                   PYTHONWARNINGS="ignore")
-        try:
-            proc = subprocess.run(cmd, cwd=os.path.dirname(HERE), env=env, timeout=a.timeout,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            for line in proc.stderr.splitlines():
-                if line.startswith("  "):
-                    print(line, flush=True)
-            if proc.returncode == 0 and os.path.exists(out):
-                with open(out) as f:
-                    return json.load(f)
-            why = f"process exited with {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1][:200]}"
-        except subprocess.TimeoutExpired:
-            why = f"process exceeded {a.timeout}s"
+    result, why = run_worker("benchmarks.real", name, [
+        "--steps", str(a.steps), "--rounds", str(a.rounds), "--size", a.size,
+        "--seed", str(a.seed)], a.timeout)
+    if result is not None:
+        return result
     mod = real_mod.load(name)
     return {"program": name, "source": mod.SOURCE, "license": mod.LICENSE, "trait": mod.TRAIT,
             "equal": {"exact": None, "max_rel_diff": None}, "compiled": False, "sites": {},

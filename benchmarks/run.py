@@ -104,26 +104,36 @@ def worker(a):
         json.dump({"size": a.size, "modes": res}, f)
 
 
-def run_one(name, a):
+def run_worker(module, name, args, timeout):
+    """Run `python -m module --worker name --worker-out FILE *args` in its own process (from the
+    repository root); echo its progress lines (stderr lines starting with two spaces). Returns
+    (the JSON it wrote, None) or (None, why it gave none)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
-        cmd = [sys.executable, "-m", "benchmarks.run", "--worker", name, "--worker-out", out,
-               "--modes", ",".join(a.modes), "--steps", str(a.steps), "--rounds", str(a.rounds),
-               "--warmup", str(a.warmup), "--size", a.size, "--seed", str(a.seed)]
+        cmd = [sys.executable, "-m", module, "--worker", name, "--worker-out", out, *args]
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
                    PYTHONWARNINGS="ignore")
         try:
-            proc = subprocess.run(cmd, cwd=os.path.dirname(HERE), env=env, timeout=a.timeout,
+            proc = subprocess.run(cmd, cwd=os.path.dirname(HERE), env=env, timeout=timeout,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            for line in proc.stderr.splitlines():
-                if line.startswith("  "):
-                    print(line, flush=True)
-            if proc.returncode == 0 and os.path.exists(out):
-                with open(out) as f:
-                    return json.load(f)
-            why = f"program process exited with {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1][:200]}"
         except subprocess.TimeoutExpired:
-            why = f"program process exceeded {a.timeout}s"
+            return None, f"program process exceeded {timeout}s"
+        for line in proc.stderr.splitlines():
+            if line.startswith("  "):
+                print(line, flush=True)
+        if proc.returncode == 0 and os.path.exists(out):
+            with open(out) as f:
+                return json.load(f), None
+        last = (proc.stderr.strip().splitlines() or [""])[-1][:200]
+        return None, f"program process exited with {proc.returncode}: {last}"
+
+
+def run_one(name, a):
+    result, why = run_worker("benchmarks.run", name, [
+        "--modes", ",".join(a.modes), "--steps", str(a.steps), "--rounds", str(a.rounds),
+        "--warmup", str(a.warmup), "--size", a.size, "--seed", str(a.seed)], a.timeout)
+    if result is not None:
+        return result
     names = list(dict.fromkeys(["eager", *a.modes]))
     return {"size": a.size, "modes": {m: {"mode": m, "label": modes_mod.get(m).label, "status": "failed", "reason": why,
                                           "build_s": None, "warmup_s": [], "step_s": [], "losses": [],
