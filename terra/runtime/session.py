@@ -48,6 +48,7 @@ from terra.runtime.fallback import (ContinuingRecorder, EagerReplay, Snapshot, b
                                     unsnapshotable,
                                     written_variables)
 from terra.runtime.graph_runner import GraphRunner, extended_error, op_node_name
+from terra.runtime.interrupts import held_interrupts
 from terra.runtime.placeholders import Placeholder
 from terra.runtime.python_runner import (PAST_END, UNSET, Diverged, Divergence, GradUnit, PathView,
                                          PythonRunner, placeholder_ref, user_line)
@@ -1247,7 +1248,7 @@ class Session:
             if key != it.site.key and it.frame_alive():
                 it.add_tape(tape)
                 return
-            with self.internal():
+            with held_interrupts(), self.internal():  # the step Python left completes first
                 it.finish()
         site = self.sites.get(key)
         if site is None:
@@ -1259,7 +1260,8 @@ class Session:
         self._ensure_hook()
         _set_active(None)
         if self.pending and (site.eager_reason is not None or self._predict(site) is None):
-            self.collect_pending()  # ops of this iteration run eagerly: earlier runs end first
+            with held_interrupts():  # ops of this iteration run eagerly: earlier runs end first
+                self.collect_pending()
         self.iterations += 1
         it = Iteration(self, site, frame, self.iterations)
         it.add_tape(tape)
@@ -1736,10 +1738,11 @@ class Session:
         """Finish the open iteration (if any) and stop intercepting."""
         it = self.iteration
         try:
-            if it is not None and it.mode != "done":
-                with self.internal():
-                    it.finish()
-            self.collect_pending()
+            with held_interrupts():
+                if it is not None and it.mode != "done":
+                    with self.internal():
+                        it.finish()
+                self.collect_pending()
         finally:
             self.iteration = None
             self.owner = None

@@ -1,0 +1,110 @@
+"""Ctrl-C while Terra completes the step Python has left (at the next tape's `__enter__`): the
+step completes, then KeyboardInterrupt is raised, so the weights are those of an eager run of
+exactly `optimizer.iterations` steps. Before, the interrupt dropped the pending step's run:
+`optimizer.iterations` one short, or weights of no eager step."""
+import _thread
+import os
+import sys
+import threading
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import terra  # noqa: E402
+from terra.runtime.channels import wait_until  # noqa: E402
+from terra.runtime.interrupts import held_interrupts  # noqa: E402
+from terra.runtime.session import Iteration  # noqa: E402
+
+STEPS = 40
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    terra.reset()
+    yield
+    terra.reset()
+
+
+def _data():
+    rng = np.random.default_rng(7)
+    return [(rng.normal(size=(256, 256)).astype("float32"),
+             rng.normal(size=(256, 1)).astype("float32")) for _ in range(STEPS)]
+
+
+def _train(Tape, steps):
+    """Train up to `steps` steps; a Ctrl-C ends the loop (a user's `except KeyboardInterrupt`)."""
+    keras.utils.set_random_seed(11)
+    model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(512, activation="relu"),
+                              keras.layers.Dense(512, activation="relu"), keras.layers.Dense(1)])
+    opt = keras.optimizers.Adam(1e-3)
+    interrupted = False
+    try:
+        for x, y in _data()[:steps]:
+            with Tape() as tape:
+                loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+    except KeyboardInterrupt:
+        interrupted = True
+    terra.end_iteration()
+    return interrupted, int(opt.iterations), [v.numpy() for v in model.weights]
+
+
+def _interrupt_once_finishing_waits(after_s=120.0):
+    """Ctrl-C for the main thread once it waits inside `Iteration.finish` (the boundary)."""
+    main = threading.main_thread().ident
+
+    def finishing():
+        f = sys._current_frames().get(main)
+        seen_wait = False
+        while f is not None:
+            if f.f_code is wait_until.__code__:
+                seen_wait = True
+            if f.f_code is Iteration.finish.__code__:
+                return seen_wait
+            f = f.f_back
+        return False
+
+    def fire():
+        deadline = time.monotonic() + after_s
+        while not finishing() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        _thread.interrupt_main()
+    t = threading.Thread(target=fire, daemon=True)
+    t.start()
+    return t
+
+
+def test_ctrl_c_while_the_left_step_completes_keeps_that_step():
+    firing = _interrupt_once_finishing_waits()
+    interrupted, done, weights = _train(tf.TerraGradientTape, STEPS)
+    firing.join()
+    assert interrupted and 3 <= done < STEPS, (interrupted, done)
+    _, eager_done, eager = _train(tf.GradientTape, done)
+    assert eager_done == done
+    for a, b in zip(weights, eager):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_held_interrupts_raises_after_the_block_and_a_second_press_at_once():
+    with pytest.raises(KeyboardInterrupt):
+        with held_interrupts() as held:
+            _thread.interrupt_main()
+            time.sleep(0.01)  # (a signal is handled between bytecodes)
+            assert held.pressed
+            finished = True
+    assert finished
+    with pytest.raises(KeyboardInterrupt):
+        with held_interrupts():
+            _thread.interrupt_main()
+            time.sleep(0.01)
+            _thread.interrupt_main()
+            time.sleep(0.01)
+            pytest.fail("the second press did not raise at once")
+    import signal
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
