@@ -32,15 +32,16 @@ def _fresh():
 
 def _data():
     rng = np.random.default_rng(7)
-    return [(rng.normal(size=(256, 256)).astype("float32"),
-             rng.normal(size=(256, 1)).astype("float32")) for _ in range(STEPS)]
+    return [(rng.normal(size=(512, 256)).astype("float32"),
+             rng.normal(size=(512, 1)).astype("float32")) for _ in range(STEPS)]
 
 
 def _train(Tape, steps):
     """Train up to `steps` steps; a Ctrl-C ends the loop (a user's `except KeyboardInterrupt`)."""
     keras.utils.set_random_seed(11)
-    model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(512, activation="relu"),
-                              keras.layers.Dense(512, activation="relu"), keras.layers.Dense(1)])
+    # a graph step of tens of ms against a skeleton of a few: Python waits at the boundary
+    model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(1024, activation="relu"),
+                              keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1)])
     opt = keras.optimizers.Adam(1e-3)
     interrupted = False
     try:
@@ -55,8 +56,9 @@ def _train(Tape, steps):
     return interrupted, int(opt.iterations), [v.numpy() for v in model.weights]
 
 
-def _interrupt_once_finishing_waits(after_s=120.0):
-    """Ctrl-C for the main thread once it waits inside `Iteration.finish` (the boundary)."""
+def _interrupt_once_finishing_waits(stop):
+    """Ctrl-C for the main thread once it waits inside `Iteration.finish` (the boundary); never
+    after `stop` is set (the loop ended without such a wait: no stray interrupt later)."""
     main = threading.main_thread().ident
 
     def finishing():
@@ -71,19 +73,24 @@ def _interrupt_once_finishing_waits(after_s=120.0):
         return False
 
     def fire():
-        deadline = time.monotonic() + after_s
-        while not finishing() and time.monotonic() < deadline:
+        while not stop.is_set():
+            if finishing():
+                _thread.interrupt_main()
+                return
             time.sleep(0.001)
-        _thread.interrupt_main()
     t = threading.Thread(target=fire, daemon=True)
     t.start()
     return t
 
 
 def test_ctrl_c_while_the_left_step_completes_keeps_that_step():
-    firing = _interrupt_once_finishing_waits()
-    interrupted, done, weights = _train(tf.TerraGradientTape, STEPS)
-    firing.join()
+    stop = threading.Event()
+    firing = _interrupt_once_finishing_waits(stop)
+    try:
+        interrupted, done, weights = _train(tf.TerraGradientTape, STEPS)
+    finally:
+        stop.set()
+        firing.join()
     assert interrupted and 3 <= done < STEPS, (interrupted, done)
     _, eager_done, eager = _train(tf.GradientTape, done)
     assert eager_done == done
