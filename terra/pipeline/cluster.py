@@ -10,8 +10,10 @@ TensorFlow's gRPC server listens on every interface (``*:port``) whatever addres
 names. `LocalCluster` therefore refuses to start unless the process is in a network namespace
 whose only interface is loopback; `run_isolated` provides one (``unshare -rn``, loopback brought
 up, nothing else reachable). On a real multi-host cluster, skip `LocalCluster`: start one worker
-per host with ``python -m terra.pipeline.cluster worker --spec '<json>' --task i`` (firewalled as
-your site requires) and give the client the same spec (see docs/pipeline_executor.md).
+per host with ``python -m terra.pipeline.cluster worker --spec '<json>' --task i
+--listen-all-interfaces`` (the flag says you know the port is open on every interface: firewall
+it as your site requires; without it a worker outside a loopback-only namespace refuses to
+start) and give the client the same spec (see docs/pipeline_executor.md).
 
 Usage: ``python -m terra.pipeline.cluster demo --workers 4`` runs 1F1B and BPipe on 4 local
 workers (inside ``unshare -rn``) and prints a JSON report (gradient errors vs single device,
@@ -250,6 +252,9 @@ def main(argv=None):
     w = sub.add_parser("worker")
     w.add_argument("--spec", required=True)
     w.add_argument("--task", type=int, required=True)
+    w.add_argument("--listen-all-interfaces", action="store_true",
+                   help="start outside a loopback-only network namespace: TF's server then "
+                        "accepts connections on every interface of the host (firewall it)")
     d = sub.add_parser("demo")
     d.add_argument("--workers", type=int, default=4)
     d.add_argument("--microbatches", type=int, default=8)
@@ -261,6 +266,11 @@ def main(argv=None):
     d.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args(argv)
     if args.cmd == "worker":
+        if not loopback_only() and not args.listen_all_interfaces:
+            parser.error("TF's gRPC server listens on every interface, whatever address the spec "
+                         "names; run the worker inside a loopback-only network namespace "
+                         "(`unshare -rn`, as LocalCluster and run_isolated do), or pass "
+                         "--listen-all-interfaces on a host whose port is firewalled")
         worker_main(json.loads(args.spec), args.task)
     else:
         print(json.dumps(demo(args.workers, args.microbatches, args.seq, args.d_model,

@@ -3,6 +3,7 @@ import os
 import shutil
 import time
 import subprocess
+import sys
 import threading
 
 import pytest
@@ -102,3 +103,14 @@ def test_a_run_past_its_time_limit_leaves_no_worker_behind():
     while _cluster_processes(session[0]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _cluster_processes(session[0])
+
+
+def test_a_worker_outside_a_loopback_only_namespace_refuses_without_the_flag():
+    if cluster.loopback_only():
+        pytest.skip("already inside a loopback-only namespace")
+    spec = '{"worker": ["127.0.0.1:1"]}'
+    p = subprocess.run([sys.executable, "-m", "terra.pipeline.cluster", "worker", "--spec", spec,
+                        "--task", "0"], capture_output=True, text=True, timeout=120,
+                       stdin=subprocess.DEVNULL)
+    assert p.returncode == 2 and "listens on every interface" in p.stderr, p.stderr[-2000:]
+    assert "--listen-all-interfaces" in p.stderr
