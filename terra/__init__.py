@@ -15,6 +15,7 @@ from terra.config import as_dict as _config_dict
 from terra.config import configure as _configure
 from terra.runtime.session import SESSION as _SESSION
 from terra.tape import GradientTape, TerraGradientTape
+from terra.tracing import hook as _hook
 
 _tf.TerraGradientTape = GradientTape
 
@@ -49,10 +50,51 @@ def end_iteration() -> None:
         _SESSION.end()
 
 
+class _Enabling:
+    """What `enable()` returns. As a context manager, its exit puts back the state before
+    `enable()` (plain TF if Terra was not enabled then)."""
+
+    def __init__(self, was_enabled: bool):
+        self._was_enabled = was_enabled
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        if not self._was_enabled:
+            disable()
+        return False
+
+
+def enable() -> _Enabling:
+    """Every `tf.GradientTape` the program opens from now on is a Terra tape, including tapes
+    opened inside libraries (Keras' `fit(..., run_eagerly=True)` among them); a tape opened while
+    TF traces a `tf.function` stays plain. Code that bound the class before (`from tensorflow
+    import GradientTape`) keeps TF's. Keras' `fit`, `evaluate` and `predict` end the open
+    iteration when they begin and return. Also a context manager: `with terra.enable(): ...`."""
+    was = _hook.gradient_tape_replaced()
+    _hook.replace_gradient_tape(GradientTape, end_iteration)
+    return _Enabling(was)
+
+
+def disable() -> None:
+    """Undo `enable()`: finish the open iteration, and give every public `tf.GradientTape` name
+    back TF's own class (`tf.GradientTape is` the class it was before `enable()`), and Keras'
+    trainer its own methods."""
+    end_iteration()
+    _hook.restore_gradient_tape()
+
+
+def is_enabled() -> bool:
+    """Whether `enable()` is in force (`tf.GradientTape` is Terra's tape)."""
+    return _hook.gradient_tape_replaced()
+
+
 def reset() -> None:
-    """Forget every site, trace, graph and counter; stop intercepting TF."""
+    """Forget every site, trace, graph and counter; stop intercepting TF. `enable()` stays in
+    force (`disable()` undoes it)."""
     _SESSION.reset()
 
 
 __all__ = ["GradientTape", "TerraGradientTape", "config", "stats", "explain", "reset",
-           "end_iteration"]
+           "end_iteration", "enable", "disable", "is_enabled"]

@@ -301,6 +301,45 @@ def forward_backward_pair(concrete_fn) -> ForwardBackwardPair:
                                forward, backward)
 
 
+# ---- zero-line adoption: `terra.enable()` (terra/tracing/hook.py) ------------------------------
+# Checked by tests/test_tf_private_runtime.py::test_gradient_tape_exports.
+# TF's own class, whatever `tf.GradientTape` names now: while `terra.enable()` is in force the
+# public name is Terra's subclass, and Terra's code must still reach the base class's methods.
+from tensorflow.python.eager import backprop as _backprop  # noqa: E402
+
+PlainGradientTape = _backprop.GradientTape
+
+
+def gradient_tape_exports() -> list:
+    """(module, "GradientTape") of every public TF API module that exports the plain tape now:
+    `tf`, `tf.autodiff`, `tf.compat.v1`/`v2` and their nested aliases, all generated modules under
+    `tensorflow._api.v2`. TF's internal modules (`backprop`, `gradients`, ...) are left alone: TF
+    opens tapes of its own there, and those must stay plain."""
+    import sys as _sys
+    found = []
+    for name, module in list(_sys.modules.items()):
+        if module is None or not (name == "tensorflow" or name.startswith("tensorflow._api.")):
+            continue
+        if getattr(module, "__dict__", {}).get("GradientTape") is PlainGradientTape:
+            found.append((module, "GradientTape"))
+    return found
+
+
+# Keras 3's TensorFlow trainer (`keras.src` is Keras' private tree): `fit`, `evaluate` and
+# `predict` are where a Keras program's training iterations begin and end. With
+# `run_eagerly=True`, `fit` opens `tf.GradientTape()` in `train_step` once per batch; `evaluate`
+# and `predict` open none. None when Keras is not installed or runs another backend.
+KERAS_TRAINER_BOUNDARIES = ("fit", "evaluate", "predict")
+
+
+def keras_trainer_class():
+    try:
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    except ImportError:
+        return None
+    return TensorFlowTrainer
+
+
 # ---- co-execution: session, fallback (terra/runtime/session.py, fallback.py) -------------------
 # Checked by tests/runtime/test_fallback.py::test_private_tape_api.
 def tape_is_recording(gradient_tape) -> bool:

@@ -19,7 +19,9 @@ class Config:
       the next sync point, as with TF's asynchronous execution; False: each iteration's graph
       ends before the next iteration begins).
     max_traces: distinct traces per iteration site before that site stays eager (one warning).
-    max_fallbacks: fallbacks per site before it stays eager.
+    max_fallbacks: fallbacks per site before it stays eager. A fallback onto a path the site has
+      seen before, after 8 or more iterations without one (an epoch's end: a new data iterator),
+      is a known cost and does not count.
     xla: compile the compute between feed/fetch points of generated graphs with XLA (TF's
       explicit clustering; channel, random and XLA-less ops stay on TF's executor; results
       equal eager within XLA's rounding; on CPU not faster, measured in docs/usage.md).

@@ -145,3 +145,22 @@ def test_eager_tensor_array_reads_only_an_eager_tensor_index_with_numpy():
         assert arg in ("index", "indices"), (name, params)
         src = inspect.getsource(original)
         assert f"isinstance({arg}, ops.EagerTensor)" in src and f"{arg} = {arg}.numpy()" in src, name
+
+
+def test_gradient_tape_exports():
+    """`terra.enable()` rebinds the public names of TF's tape class; they must be found where TF's
+    generated API modules put them, and Keras' trainer must open its tape through `tf`."""
+    import inspect
+
+    import tensorflow as tf
+    from terra import _tf_private as tfp
+
+    assert tfp.PlainGradientTape is tf.GradientTape
+    owners = {m for m, _ in tfp.gradient_tape_exports()}
+    for public in (tf, tf.autodiff, tf.compat.v2, tf.compat.v1):
+        assert public in owners
+    trainer = tfp.keras_trainer_class()
+    assert trainer is not None
+    for attr in tfp.KERAS_TRAINER_BOUNDARIES:
+        assert callable(trainer.__dict__[attr])
+    assert "tf.GradientTape()" in inspect.getsource(trainer.train_step)

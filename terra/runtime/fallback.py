@@ -205,7 +205,7 @@ class EagerReplay:
         for t, values in self.pre_watch.items():
             if tfp.tape_is_recording(t):
                 for v in values:
-                    tf.GradientTape.watch(t, v)
+                    tfp.PlainGradientTape.watch(t, v)
         resumed = []
         try:
             for rec in self.trace.records[:upto]:
@@ -215,7 +215,7 @@ class EagerReplay:
                         tfp.resume_tape(t)
                         resumed.append(t)
                         for v in self.pre_watch.get(t, ()):
-                            tf.GradientTape.watch(t, v)
+                            tfp.PlainGradientTape.watch(t, v)
                     if b == rec.index and t in resumed:
                         tfp.pause_tape(t)
                         resumed.remove(t)
@@ -244,7 +244,7 @@ class EagerReplay:
         for j, t in enumerate(outs or ()):
             self.env[(rec.index, j)] = t
             for tape in self.watches.get((rec.index, j), ()):
-                tf.GradientTape.watch(tape, t)
+                tfp.PlainGradientTape.watch(tape, t)
 
 
 # ------------------------------------------------------------------------------------ recorder

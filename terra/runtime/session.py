@@ -412,6 +412,8 @@ class Site:
     paths: dict = field(default_factory=dict)
     traces: int = 0
     fallbacks: int = 0
+    known_fallbacks: int = 0              # rare ones onto a filed path: not held against the site
+    last_fallback: int = 0                # iteration number of the latest fallback
     eager_reason: str | None = None
     last_path: Path | None = None
     phase: str = "tracing"
@@ -433,6 +435,11 @@ class Event:
         return f"[{self.kind}] {self.site} iteration {self.iteration}: {self.detail} ({self.where})"
 
 
+# A fallback onto a path already filed, after at least this many iterations without one, does
+# not count towards `max_fallbacks` (a fit's or a loop's epoch end: new data iterator, new path).
+_KNOWN_FALLBACK_GAP = 8
+
+
 # ------------------------------------------------------------------------------------ iteration
 class Iteration:
     """One iteration of one site; `mode` is tracing, skip (co-execution), eager or done."""
@@ -448,6 +455,7 @@ class Iteration:
         self.path: Path | None = None
         self.run = None
         self.snap = None
+        self.fallback_gap: int | None = None   # iterations since the site's previous fallback
         self.fetched: set = set()
         self.outputs: dict = {}
         self.tapes: list = []
@@ -1149,6 +1157,8 @@ class Session:
     def count_fallback(self, it, d: Divergence) -> None:
         self.fallbacks += 1
         it.site.fallbacks += 1
+        it.fallback_gap = it.number - it.site.last_fallback
+        it.site.last_fallback = it.number
         self._event("fallback", it.site, it.number, f"{d.reason}: expected {d.expected}, "
                     f"observed {d.observed} (op #{d.position})", d.location)
 
@@ -1342,7 +1352,7 @@ class Session:
         return ("external", id(x))
 
     def gradient(self, tape, target, sources, output_gradients, unconnected_gradients):
-        base = tf.GradientTape.gradient
+        base = tfp.PlainGradientTape.gradient
         it = self.iteration
         if it is None or it.mode not in ("skip", "tracing") or tape not in it.tapes or \
                 self.foreign():
@@ -1658,6 +1668,11 @@ class Session:
                   if new else f"path p{path.id} seen {path.count} times")
         if why:
             detail += f"; not compilable: {why}"
+        if not new and it.fallback_gap is not None and it.fallback_gap >= _KNOWN_FALLBACK_GAP:
+            # a path seen before, reached after a run of compiled iterations (an epoch's end):
+            # a known, bounded cost per occurrence, so it does not count towards max_fallbacks
+            site.known_fallbacks += 1
+            detail += "; a known path after compiled iterations: not held against max_fallbacks"
         self._event("trace", site, it.number, detail, "")
         compiled_before = any(p.graph is not None for p in site.paths.values())
         if why is None and (path.count >= 2 or compiled_before) and path.stale:
@@ -1673,8 +1688,9 @@ class Session:
                 site.traces >= CONFIG.max_traces:
             self._go_eager(site, it.number, f"{site.traces} traces without a compilable repeat"
                            + (f" (last: {why})" if why else ""))
-        if site.fallbacks >= CONFIG.max_fallbacks and site.eager_reason is None:
-            self._go_eager(site, it.number, f"{site.fallbacks} fallbacks")
+        if site.fallbacks - site.known_fallbacks >= CONFIG.max_fallbacks and \
+                site.eager_reason is None:
+            self._go_eager(site, it.number, f"{site.fallbacks - site.known_fallbacks} fallbacks")
 
     def _go_eager(self, site, number, reason):
         site.eager_reason = reason

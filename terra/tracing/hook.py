@@ -13,6 +13,7 @@ point costs one global load and an `is None` test before calling the original.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Any, Callable
 
@@ -307,3 +308,62 @@ def intercepting(interceptor: Interceptor):
             deactivate(token)
     finally:
         uninstall()
+
+
+# ------------------------------------------------------------------ tf.GradientTape (enable)
+# `terra.enable()` makes every tape the program opens a Terra tape by rebinding the public name in
+# each TF API module that exports it (`tf.GradientTape`, `tf.autodiff.GradientTape`,
+# `tf.compat.v2.GradientTape`, ...). Libraries look the name up when they open a tape (Keras'
+# trainer: `with tf.GradientTape() as tape`), so they get Terra's tape too. TF's internal modules
+# keep the plain class. Kept apart from `install`: the dispatch patches live only while Terra runs
+# an iteration; this one lives from `enable()` to `disable()`.
+_tape_originals: dict = {}   # (owner, attr) -> what it held before `replace_gradient_tape`
+
+
+def _wrap_boundary(orig, boundary):
+    """Keras' `fit` / `evaluate` / `predict`: the open iteration ends when one begins and when it
+    returns, so one call's work (validation, the code after `fit`) is never part of an iteration
+    of another."""
+    @functools.wraps(orig)
+    def keras_boundary(self, *args, **kwargs):
+        boundary()
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            boundary()
+    keras_boundary.__terra_original__ = orig
+    return keras_boundary
+
+
+def replace_gradient_tape(cls, boundary: Callable[[], None]) -> None:
+    """Rebind every public `GradientTape` export to `cls` (a subclass of TF's tape), and make
+    Keras' trainer entry points call `boundary` (ends the open iteration) on entry and exit."""
+    if not (isinstance(cls, type) and issubclass(cls, tfp.PlainGradientTape)):
+        raise TypeError(f"terra hook: {cls!r} is not a tf.GradientTape subclass")
+    if _tape_originals:
+        return
+    for owner, attr in tfp.gradient_tape_exports():
+        _tape_originals[(owner, attr)] = getattr(owner, attr)
+        setattr(owner, attr, cls)
+    trainer = tfp.keras_trainer_class()
+    if trainer is not None:
+        for attr in tfp.KERAS_TRAINER_BOUNDARIES:
+            orig = trainer.__dict__[attr]
+            _tape_originals[(trainer, attr)] = orig
+            setattr(trainer, attr, _wrap_boundary(orig, boundary))
+
+
+def restore_gradient_tape() -> None:
+    """Put back everything `replace_gradient_tape` replaced (TF's own class, Keras' methods)."""
+    while _tape_originals:
+        (owner, attr), orig = _tape_originals.popitem()
+        setattr(owner, attr, orig)
+
+
+def gradient_tape_replaced() -> bool:
+    return bool(_tape_originals)
+
+
+def replaced_attributes() -> list:
+    """(owner, attribute) of everything `replace_gradient_tape` replaced."""
+    return list(_tape_originals)
