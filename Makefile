@@ -24,6 +24,7 @@ test-slow: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
 	$(PY) -m benchmarks.real
+	$(PY) -m benchmarks.fit
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.run --quick
@@ -31,12 +32,15 @@ bench-quick: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-.PHONY: bench-coexec bench-pipeline bench-real results
+.PHONY: bench-coexec bench-pipeline bench-real bench-fit results
 bench-coexec: $(STAMP)
 	$(PY) -m benchmarks.coexec
 
 bench-real: $(STAMP)
 	$(PY) -m benchmarks.real
+
+bench-fit: $(STAMP)
+	$(PY) -m benchmarks.fit
 
 bench-pipeline: $(STAMP)
 	$(PY) benchmarks/pipeline.py

@@ -20,6 +20,7 @@ SECTIONS = (
     ("hook_overhead.md", "python -m benchmarks.hook_overhead"),
     ("pipeline.md", "python benchmarks/pipeline.py"),
     ("real.md", "make bench-real  (python -m benchmarks.real)"),
+    ("fit.md", "make bench-fit  (python -m benchmarks.fit)"),
 )
 
 

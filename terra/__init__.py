@@ -43,6 +43,12 @@ def explain() -> str:
     return _SESSION.explain()
 
 
+def summary() -> str:
+    """A one-screen digest of `stats()` and `explain()`: totals, time in Python and in the graph,
+    each site's state, what stayed eager and why, fallbacks grouped by reason."""
+    return _SESSION.summary()
+
+
 def end_iteration() -> None:
     """Finish the open iteration now (otherwise the next tape or `reset` does). On a thread
     whose tapes run as plain tapes (another thread's iterations are running) it does nothing."""
@@ -97,4 +103,4 @@ def reset() -> None:
 
 
 __all__ = ["GradientTape", "TerraGradientTape", "config", "stats", "explain", "reset",
-           "end_iteration", "enable", "disable", "is_enabled"]
+           "end_iteration", "enable", "disable", "is_enabled", "summary"]

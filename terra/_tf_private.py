@@ -330,14 +330,20 @@ def gradient_tape_exports() -> list:
 # `run_eagerly=True`, `fit` opens `tf.GradientTape()` in `train_step` once per batch; `evaluate`
 # and `predict` open none. None when Keras is not installed or runs another backend.
 KERAS_TRAINER_BOUNDARIES = ("fit", "evaluate", "predict")
+KERAS_TRAINER_MODULE = "keras.src.backend.tensorflow.trainer"
 
 
-def keras_trainer_class():
-    try:
-        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-    except ImportError:
-        return None
-    return TensorFlowTrainer
+def keras_trainer_class(import_it: bool = True):
+    """The class, or None (Keras absent, another backend, or not imported yet and not
+    `import_it`)."""
+    import sys as _sys
+    module = _sys.modules.get(KERAS_TRAINER_MODULE)
+    if module is None and import_it:
+        try:
+            from keras.src.backend.tensorflow import trainer as module
+        except ImportError:
+            return None
+    return getattr(module, "TensorFlowTrainer", None)
 
 
 # ---- co-execution: session, fallback (terra/runtime/session.py, fallback.py) -------------------

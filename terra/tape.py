@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from terra.runtime.placeholders import Placeholder
 from terra.runtime.session import SESSION, _real
+from terra.tracing import hook
 
 
 # Inside a tf.function this tape is a plain tape, and AutoGraph must call Terra's code as it is
@@ -33,6 +34,8 @@ class GradientTape(tf.GradientTape):
         self._terra_pending = []   # placeholders watched while skipping (watched after a fallback)
 
     def __enter__(self):
+        if hook.keras_patch_pending():
+            hook.patch_keras_trainer()
         self._terra_watched = []
         self._terra_pending = []
         SESSION.tape_enter(self, sys._getframe(1))

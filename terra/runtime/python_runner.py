@@ -210,7 +210,12 @@ class PythonRunner(hook.Interceptor):
             self._rollback(mark)
             if d.divergence.reason != "graph error":
                 tried = {id(self.iteration.path)}
-                while self.iteration.switch(d.divergence, tried=tried):
+                pos = self.pos
+                # (a path whose op here is a variable read may be right: the fast route runs
+                # the reads of variable inputs only after it hands the op to the slow route)
+                accepts = None if route == "function" else (
+                    lambda q: q.view.records[pos].op_type in (op_type, "ReadVariableOp"))
+                while self.iteration.switch(d.divergence, tried=tried, accepts=accepts):
                     try:
                         return self._skip(op_type, inputs, attrs, route)
                     except Diverged as d2:
@@ -470,7 +475,12 @@ class PythonRunner(hook.Interceptor):
                 self._diverge("gradient of different tensors", unit.guard, guard)
             except Diverged as d:
                 tried = {id(self.iteration.path)}
-                while self.iteration.switch(d.divergence, tried=tried):
+                pos = self.pos
+
+                def accepts(q):
+                    u = q.view.units.get(pos)
+                    return u is not None and u.guard == guard
+                while self.iteration.switch(d.divergence, tried=tried, accepts=accepts):
                     u = self.view.units.get(self.pos)
                     if u is not None and u.guard == guard:
                         break

@@ -395,6 +395,12 @@ class Path:
                 if not f.in_unit:
                     self.outside_reads.add(f.ref)
 
+    def absorb_fetch(self, ref, after_record: int) -> None:
+        """A value Python read outside units, in an iteration that fell back at that read."""
+        prev = self.fetch_points.get(ref)
+        self.fetch_points[ref] = after_record if prev is None else min(prev, after_record)
+        self.outside_reads.add(ref)
+
     @property
     def stale(self) -> bool:
         return self.graph is None or self.built_for != self.build_key()
@@ -416,6 +422,22 @@ class Site:
     last_fallback: int = 0                # iteration number of the latest fallback
     eager_reason: str | None = None
     last_path: Path | None = None
+    prev_path: Path | None = None         # the path the previous iteration ended on
+    successors: dict = field(default_factory=dict)  # path id -> {next path id: count}
+
+    def note_path(self, path) -> None:
+        """The iteration that just ended ran `path`: count it as the previous one's successor."""
+        if self.prev_path is not None:
+            nxt = self.successors.setdefault(self.prev_path.id, {})
+            nxt[path.id] = nxt.get(path.id, 0) + 1
+        self.prev_path = path
+
+    def likely_next(self) -> list:
+        """Path ids in the order the previous path's successors were seen most often."""
+        if self.prev_path is None:
+            return []
+        nxt = self.successors.get(self.prev_path.id, {})
+        return sorted(nxt, key=lambda i: -nxt[i])
     phase: str = "tracing"
     seen_objects: dict = field(default_factory=dict)
     site_graph: SiteGraph | None = None   # one graph for all compiled paths (>= 2 of them)
@@ -631,6 +653,10 @@ class Iteration:
                                              self.runner.pos, "graph error"))
                 else:
                     self.runner.log_fetch(ref)  # the next graph fetches it
+                    if sr is None and ref.record < len(self.path.trace.records):
+                        # this path's next build fetches it too: a value Python read once
+                        # (every tenth step, say) is read again, and then needs no fallback
+                        self.path.absorb_fetch(ref, self.runner.pos)
                     self.fallback(Divergence(user_line(), "no fetch", f"fetch of %{ref.record}",
                                              self.runner.pos, "value needed by Python that the "
                                              "graph does not fetch"))
@@ -711,7 +737,7 @@ class Iteration:
         self.outputs[ref] = v
         return v
 
-    def switch(self, d: Divergence, at_end: bool = False, tried=None) -> bool:
+    def switch(self, d: Divergence, at_end: bool = False, tried=None, accepts=None) -> bool:
         """Restart the iteration on another compiled path that agrees with the current one on
         every op matched so far (a branch both paths were traced through): cancel the graph,
         restore the variables, start the other graph and feed it what Python fed so far.
@@ -719,7 +745,8 @@ class Iteration:
 
         On a SiteGraph, a path whose plan agrees with the current one before op `pos` (same
         nodes, same selects, conds and feeds put) is taken without touching the run: a seamless
-        switch (`case_switches`)."""
+        switch (`case_switches`). `accepts(q)`: whether path `q` can take what Python does at
+        `pos` (paths that cannot are not tried: each restart costs a variable restore)."""
         runner, cur, pos = self.runner, self.path, self.runner.pos
         prefix = cur.signature[0][:pos]
         fed_specs = [cur.trace.feeds[sl].spec for sl in sorted(runner.fed)]
@@ -738,6 +765,8 @@ class Iteration:
                 continue
             if {u.start for u in cur.units.values() if u.end <= pos} != \
                     {u.start for u in q.units.values() if u.end <= pos}:
+                continue
+            if accepts is not None and not accepts(q):
                 continue
             candidates.append(q)
         sr = self.site_run
@@ -872,6 +901,7 @@ class Iteration:
             s.python_exec_s += time.perf_counter() - self.t0 - self.stall
             self.path.hits += 1
             self.site.last_path = self.path
+            self.site.note_path(self.path)
         self.mode = "done"
         _set_active(None)
 
@@ -1301,6 +1331,16 @@ class Session:
         it.recorder = rec
 
     def _predict(self, site):
+        """The compiled path this iteration most likely takes: the previous path's most
+        frequent compiled successor (a read every tenth step, an epoch's end, a rare branch are
+        followed by the common path again), else the last compiled path run."""
+        by_id = None
+        for i in site.likely_next():
+            if by_id is None:
+                by_id = {q.id: q for q in site.paths.values()}
+            q = by_id.get(i)
+            if q is not None and q.graph is not None and not q.stale:
+                return q
         p = site.last_path
         if p is not None and p.graph is not None and not p.stale:
             return p
@@ -1679,8 +1719,15 @@ class Session:
             self._build(site, path, it.number)
         elif path.view is None and path.graph is not None:
             path.view = PathView(path.trace, path.usable_units())
+        for other in list(site.paths.values()):
+            # a compiled path that learned a fetch in this iteration (Iteration.get: a value
+            # Python read where the path's graph did not fetch it) is rebuilt now: a stale path
+            # is never predicted, and might never be traced again to be rebuilt
+            if other is not path and other.graph is not None and other.stale:
+                self._build(site, other, it.number)
         if path.graph is not None:
             site.last_path = path
+        site.note_path(path)
         if why is not None and path.count >= 2 and site.eager_reason is None and \
                 self._predict(site) is None:
             self._go_eager(site, it.number, f"a repeating path cannot be compiled: {why}")
@@ -1789,6 +1836,39 @@ class Session:
                          (f", site graph over {len(site.site_graph.paths)} paths"
                           if site.site_graph is not None and CONFIG.site_graph else ""))
         return "\n".join(lines) if lines else "terra: nothing has run yet"
+
+    def summary(self, max_sites: int = 8) -> str:
+        """One screen: totals, time in Python and in the graph, each site's state, what stayed
+        eager and why, fallbacks grouped by reason."""
+        s = self.stats()
+        lines = [f"terra: {s['iterations']} iterations at {len(self.sites)} site(s): "
+                 f"{s['traces']} traces, {s['graph_builds']} graph builds, {s['fallbacks']} "
+                 f"fallbacks, {s['path_switches']} path switches",
+                 f"  time: Python {s['python_exec_s']:.2f} s (of it waiting for the graph "
+                 f"{s['python_stall_s']:.2f} s), graph {s['graph_exec_s']:.2f} s (of it waiting "
+                 f"for Python {s['graph_stall_s']:.2f} s)"]
+        sites = list(self.sites.values())
+        for site in sites[:max_sites]:
+            state = "eager" if site.eager_reason else site.phase
+            lines.append(f"  site {site.label}: {state}; {site.traces} traces, "
+                         f"{len(site.paths)} paths, {site.fallbacks} fallbacks")
+        if len(sites) > max_sites:
+            lines.append(f"  ... and {len(sites) - max_sites} more sites")
+        eager = [site for site in sites if site.eager_reason]
+        if eager:
+            lines.append("  stayed eager:")
+            lines += [f"    {site.label}: {site.eager_reason}" for site in eager[:max_sites]]
+        reasons: dict = {}
+        for e in self.events:
+            if e.kind == "fallback":
+                key = e.detail.split(" (op #")[0]
+                reasons[key] = reasons.get(key, 0) + 1
+        if reasons:
+            lines.append("  fallbacks by reason:")
+            lines += [f"    {n} x {why}" for why, n in
+                      sorted(reasons.items(), key=lambda kv: -kv[1])[:max_sites]]
+        lines.append("  (terra.explain() lists every trace, build and fallback with its line)")
+        return "\n".join(lines)
 
     def reset(self) -> None:
         """Forget everything (an error still pending from the last iteration is dropped)."""

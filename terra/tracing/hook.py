@@ -335,9 +335,14 @@ def _wrap_boundary(orig, boundary):
     return keras_boundary
 
 
+_keras_boundary: "Callable[[], None] | None" = None   # set while Keras' trainer awaits its patch
+
+
 def replace_gradient_tape(cls, boundary: Callable[[], None]) -> None:
     """Rebind every public `GradientTape` export to `cls` (a subclass of TF's tape), and make
-    Keras' trainer entry points call `boundary` (ends the open iteration) on entry and exit."""
+    Keras' trainer entry points call `boundary` (ends the open iteration) on entry and exit: now
+    if Keras' trainer is imported, else once it is (Keras is not imported for it)."""
+    global _keras_boundary
     if not (isinstance(cls, type) and issubclass(cls, tfp.PlainGradientTape)):
         raise TypeError(f"terra hook: {cls!r} is not a tf.GradientTape subclass")
     if _tape_originals:
@@ -345,16 +350,37 @@ def replace_gradient_tape(cls, boundary: Callable[[], None]) -> None:
     for owner, attr in tfp.gradient_tape_exports():
         _tape_originals[(owner, attr)] = getattr(owner, attr)
         setattr(owner, attr, cls)
-    trainer = tfp.keras_trainer_class()
-    if trainer is not None:
-        for attr in tfp.KERAS_TRAINER_BOUNDARIES:
-            orig = trainer.__dict__[attr]
-            _tape_originals[(trainer, attr)] = orig
-            setattr(trainer, attr, _wrap_boundary(orig, boundary))
+    _keras_boundary = boundary
+    from terra import env_hook
+    env_hook.after_import(tfp.KERAS_TRAINER_MODULE, patch_keras_trainer)
+
+
+def patch_keras_trainer() -> None:
+    """Wrap Keras' trainer entry points, if Terra is still enabled and they are not yet wrapped
+    (called after Keras' trainer module is imported, and by a Terra tape's first `__enter__`,
+    in case that module was mid-import when Terra was enabled)."""
+    global _keras_boundary
+    boundary = _keras_boundary
+    if boundary is None or not _tape_originals:
+        return
+    trainer = tfp.keras_trainer_class(import_it=False)
+    if trainer is None:
+        return
+    _keras_boundary = None
+    for attr in tfp.KERAS_TRAINER_BOUNDARIES:
+        orig = trainer.__dict__[attr]
+        _tape_originals[(trainer, attr)] = orig
+        setattr(trainer, attr, _wrap_boundary(orig, boundary))
+
+
+def keras_patch_pending() -> bool:
+    return _keras_boundary is not None
 
 
 def restore_gradient_tape() -> None:
     """Put back everything `replace_gradient_tape` replaced (TF's own class, Keras' methods)."""
+    global _keras_boundary
+    _keras_boundary = None
     while _tape_originals:
         (owner, attr), orig = _tape_originals.popitem()
         setattr(owner, attr, orig)

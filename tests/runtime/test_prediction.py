@@ -1,0 +1,129 @@
+"""Which compiled path an iteration starts on, and what a divergence costs: the previous path's
+most frequent successor is predicted; a switch goes straight to a path that takes the op Python
+issued; a value Python read once is fetched by the path's next build; fallbacks at an epoch's
+end do not make a site eager. Every case equals eager, with exact counts."""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import terra  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    terra.reset()
+    before = terra.config()
+    yield
+    terra.reset()
+    terra.config(**before)
+
+
+def _counts():
+    s = terra.stats()
+    return s["traces"], s["graph_builds"], s["fallbacks"], s["path_switches"]
+
+
+def _read_every_fifth(Tape, steps=30):
+    w = tf.Variable(tf.ones((4, 4)))
+    x = tf.constant(np.arange(16, dtype=np.float32).reshape(4, 4) / 16)
+    seen = []
+
+    def step(i):
+        with Tape() as tape:
+            h = tf.tanh(x @ w)           # dropped when `step` returns: not kept past the step
+            loss = tf.reduce_sum(h)
+        w.assign_sub(0.01 * tape.gradient(loss, w))
+        if i % 5 == 4:
+            seen.append(h.numpy()[0, 0])  # Python reads it every fifth step,
+            seen.append(float(tf.reduce_max(h)))  # and then runs an op more
+    for i in range(steps):
+        step(i)
+    terra.end_iteration()
+    return seen, w.numpy()
+
+
+def test_a_value_read_every_fifth_step_stops_falling_back():
+    eager = _read_every_fifth(tf.GradientTape)
+    got = _read_every_fifth(tf.TerraGradientTape)
+    assert got[0] == eager[0]
+    np.testing.assert_array_equal(got[1], eager[1])
+    # p0 built at iteration 2. Iteration 5 reads `h`, which p0 does not fetch: a fallback, p1
+    # (p0 and a Max) is filed and built, and p0, which learned to fetch `h`, is rebuilt. From
+    # then on a read step fetches `h` from p0's graph and switches to p1 at the Max (five
+    # switches); iteration 6 started on p1 and switched to p0 where it ended: no more fallbacks
+    assert _counts() == (3, 3, 1, 6), terra.explain()
+
+
+def _three_way(Tape, choices):
+    w = tf.Variable(1.0)
+    for c in choices:
+        with Tape() as tape:
+            if c == 0:
+                y = tf.sin(w)
+            elif c == 1:
+                y = tf.cos(w)
+            else:
+                y = tf.exp(-w)
+        w.assign_sub(0.1 * tape.gradient(y, w))
+    terra.end_iteration()
+    return w.numpy()
+
+
+def test_a_switch_goes_to_the_path_that_takes_the_op():
+    # p0, p1, p2 compiled (each seen twice), then 0 -> 2: the switch skips p1, whose first op
+    # (Cos) is not Python's (Exp)
+    choices = [0, 0, 1, 1, 2, 2, 0, 2, 0, 2]
+    eager = _three_way(tf.GradientTape, choices)
+    got = _three_way(tf.TerraGradientTape, choices)
+    np.testing.assert_array_equal(got, eager)
+    explain = terra.explain()
+    assert "p0 -> p1" not in explain.split("[switch]", 1)[-1].split("\n")[0]
+    # p0 built at 2; p1 and p2 built at their first trace (a compiled path existed), each after
+    # a fallback; the later 0 -> 2 and 2 -> 0 changes are one switch each, never through p1
+    assert _counts() == (4, 3, 2, 4), explain
+    switches = [line for line in explain.splitlines() if line.startswith("[switch]")]
+    assert len(switches) == 4 and not any("p1" in line for line in switches), explain
+
+
+def _epochs(Tape, epochs, steps=10):
+    """The next element is taken before the next step's tape, as Keras' `fit` does: at an
+    epoch's end Python makes a new iterator where the path takes the next element."""
+    w = tf.Variable(tf.ones((3,)))
+    data = tf.data.Dataset.from_tensor_slices(
+        np.arange(3 * steps, dtype=np.float32).reshape(steps, 3) / 30).batch(1)
+    for _ in range(epochs):
+        it = iter(data)
+        x = next(it)
+        for s in range(steps):
+            with Tape() as tape:
+                loss = tf.reduce_sum(tf.square(x * w - 1.0))
+            w.assign_sub(0.05 * tape.gradient(loss, w))
+            if s + 1 < steps:
+                x = next(it)
+    terra.end_iteration()
+    return w.numpy()
+
+
+def test_fallbacks_at_each_epochs_end_do_not_make_the_site_eager():
+    terra.config(max_fallbacks=3)
+    eager = _epochs(tf.GradientTape, 6)
+    got = _epochs(tf.TerraGradientTape, 6)
+    np.testing.assert_array_equal(got, eager)
+    explain = terra.explain()
+    assert "stays eager" not in explain and terra.stats()["phase"] == "idle"
+    # each epoch's end falls back once; the first files the path, the next four repeat it
+    # (not held against max_fallbacks=3); the last iteration ends before the next element
+    assert explain.count("not held against max_fallbacks") == 4, explain
+    assert _counts()[2] == 6, explain
+
+
+def test_fallbacks_onto_new_paths_still_count():
+    terra.config(max_fallbacks=2)
+    choices = [0, 0, 1, 1, 2, 2]
+    with pytest.warns(RuntimeWarning, match="2 fallbacks"):
+        _three_way(tf.TerraGradientTape, choices)
+    assert "site stays eager: 2 fallbacks" in terra.explain()
