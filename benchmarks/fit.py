@@ -155,7 +155,11 @@ def markdown(results, meta) -> str:
              f"{meta['machine']}; TF {meta['tf']}, Keras {meta['keras']}; {meta['epochs']} epochs "
              f"per fit, {meta['repeats']} repeat(s); steady state = epochs after the first, pooled "
              "over repeats. `compiled fit` (`run_eagerly=False`) is the graph alone: the physical "
-             "limit for the CNN; the custom train_steps cannot be compiled correctly.", "",
+             "limit for the CNN; the custom train_steps cannot be compiled correctly. Weights: "
+             "the Dense models are bit-identical to eager; in the CNN, graph execution (Terra's "
+             "and compiled fit's alike) rounds some steps' convolution results differently from "
+             "eager's kernels (a loop under tf.function differs from eager from step 3 on, by "
+             "an ulp), which 120 steps of training amplify.", "",
              "| program | variant | median epoch s | p10 | p90 | ms/step | vs eager | "
              "vs compiled | first epoch s | weights vs eager |",
              "|---|---|---|---|---|---|---|---|---|---|"]
