@@ -329,6 +329,29 @@ def gradient_tape_exports() -> list:
 # `predict` are where a Keras program's training iterations begin and end. With
 # `run_eagerly=True`, `fit` opens `tf.GradientTape()` in `train_step` once per batch; `evaluate`
 # and `predict` open none. None when Keras is not installed or runs another backend.
+# Keras' built-in layers live under this private package; only their calls are units (a user's
+# layer subclass may branch on values in Python, so its ops are matched one by one).
+KERAS_BUILTIN_LAYER_MODULES = ("keras.src.layers.",)
+
+
+def keras_unit_classes() -> dict:
+    """The Keras classes whose methods are coarse units (terra/tracing/hook.py's unit patches):
+    "apply_gradients" -> `BaseOptimizer`, "layer" -> `Layer` (absent ones left out: another
+    Keras layout keeps op-by-op matching)."""
+    out = {}
+    try:
+        from keras.src.optimizers.base_optimizer import BaseOptimizer
+        out["apply_gradients"] = BaseOptimizer
+    except ImportError:
+        pass
+    try:
+        from keras.src.layers.layer import Layer
+        out["layer"] = Layer
+    except ImportError:
+        pass
+    return out
+
+
 KERAS_TRAINER_BOUNDARIES = ("fit", "evaluate", "predict")
 KERAS_TRAINER_MODULE = "keras.src.backend.tensorflow.trainer"
 

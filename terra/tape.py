@@ -11,7 +11,7 @@ import sys
 import tensorflow as tf
 
 from terra.runtime.placeholders import Placeholder
-from terra.runtime.session import SESSION, _real
+from terra.runtime.session import SESSION, real_values
 from terra.tracing import hook
 
 
@@ -80,12 +80,12 @@ class GradientTape(tf.GradientTape):
     @_not_converted
     def jacobian(self, target, sources, *args, **kwargs):
         SESSION.force_eager("tape.jacobian")
-        return super().jacobian(_real(target), _real(sources), *args, **kwargs)
+        return super().jacobian(real_values(target), real_values(sources), *args, **kwargs)
 
     @_not_converted
     def batch_jacobian(self, target, source, *args, **kwargs):
         SESSION.force_eager("tape.batch_jacobian")
-        return super().batch_jacobian(_real(target), _real(source), *args, **kwargs)
+        return super().batch_jacobian(real_values(target), real_values(source), *args, **kwargs)
 
 
 TerraGradientTape = GradientTape

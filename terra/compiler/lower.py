@@ -44,12 +44,12 @@ import tensorflow as tf
 from terra import _tf_private as tfp
 from terra.compiler import replay as _replay
 from terra.compiler.case_assignment import assign_cases
-from terra.compiler.merge import _shape as _merge_shape  # what `covers` compares
+from terra.compiler.merge import shape_key  # what `covers` compares
 from terra.compiler.merge import merge
 from terra.ir.records import ConstRef, FeedRef, TensorSpec, Trace, VariableRef
 from terra.ir.trace_graph import LOOP, Carried, IterFeed, NodeOut, Phi, Prev, TraceGraph
-from terra.runtime.channels import FeedChannel, FetchChannel
-from terra.runtime.graph_runner import op_node_name
+from terra.compiler.channels import FeedChannel, FetchChannel
+from terra.compiler.names import op_node_name
 
 __all__ = ["lower", "Lowered", "FeedPoint", "LevelPlan", "TOP", "op_name"]
 
@@ -127,7 +127,7 @@ class Lowered:
         record to its node) if this graph can run `trace`'s iteration, else None: the merge must
         add nothing (`merge.covers`) and every unrolled loop must run its fixed trip count."""
         merged = merge(self.graph, trace)
-        if _merge_shape(merged) != _merge_shape(self.graph):
+        if shape_key(merged) != shape_key(self.graph):
             return None
         tid = self.graph.num_traces
         for lid, trips in self.unrolled.items():
@@ -408,7 +408,7 @@ def _token(chain: _Chain):
         return tf.zeros([], tf.int32)
 
 
-class _Builder(_replay._Builder):
+class _Builder(_replay.Builder):
     """Replay's op emission; inputs are resolved by the lowering beforehand (`_Ready`)."""
 
     def __init__(self, variables, functions):
@@ -696,7 +696,7 @@ def _count_ops(concrete) -> dict:
 def lower(graph: TraceGraph, traces, *, unroll: bool = True, timed: bool = True) -> Lowered:
     """Build the TF graph for `graph`. `traces[t]` must be the trace merged as trace id `t` (for
     variables, called functions and feed shapes). `unroll`: unroll loops whose recorded trip
-    counts are all equal. `timed`: feed channels measure graph stall (see runtime.channels)."""
+    counts are all equal. `timed`: feed channels measure graph stall (see compiler/channels.py)."""
     if not isinstance(graph, TraceGraph):
         raise TypeError(f"lower expects a TraceGraph, got {type(graph).__name__}")
     traces = list(traces)

@@ -664,15 +664,16 @@ def merge(graph, trace: Trace) -> TraceGraph:
     return new
 
 
-def _shape(g: TraceGraph):
-    """Structure and data flow of a graph, without the per-trace bookkeeping."""
+def shape_key(g: TraceGraph):
+    """Structure and data flow of a graph, without the per-trace bookkeeping: equal keys mean
+    merging a trace added no node and no edge (the lowered graph covers it)."""
     def src(s):
         if isinstance(s, tuple):
             return tuple(map(src, s))
         return ("phi", tuple(o.source for o in s.options)) if isinstance(s, Phi) else s
     out = []
     for n in g.nodes.values():
-        body = _shape(n.loop.body) + (n.loop.outputs,) if n.kind == LOOP else None
+        body = shape_key(n.loop.body) + (n.loop.outputs,) if n.kind == LOOP else None
         out.append((n.id, n.key, tuple(map(src, n.inputs)), frozenset(
             (f.index, f.how, f.after) for f in n.fetches), body))
     return (tuple(sorted(out, key=lambda x: x[0])), frozenset(g.edges))
@@ -694,6 +695,6 @@ def covers(graph, trace: Trace, *, exact_trip_counts: bool = False) -> bool:
     if graph is None:
         return False
     merged = merge(graph, trace)
-    if _shape(merged) != _shape(graph):
+    if shape_key(merged) != shape_key(graph):
         return False
     return not exact_trip_counts or _trip_counts(merged) == _trip_counts(graph)

@@ -78,7 +78,7 @@ def substitute_feeds(trace: Trace, replacements: Sequence = ()) -> list:
     return values
 
 
-class _Builder:
+class Builder:
     """Rebuilds the records of `trace` in the current (function) graph."""
 
     def __init__(self, trace: Trace, feeds):
@@ -171,7 +171,7 @@ def compile_trace(trace: Trace, outputs: Sequence[OutputRef] = (), *,
             raise ValueError(f"compile_trace: {ref!r} is not an output of trace {trace.site!r}")
 
     def body(*feeds):
-        env = _Builder(trace, feeds).run()
+        env = Builder(trace, feeds).run()
         return [env[(r.record, r.index)] for r in outputs]
 
     specs = [tf.TensorSpec(f.spec.shape, f.spec.dtype) for f in trace.feeds]

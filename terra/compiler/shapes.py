@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from terra.compiler.replay import _Builder
+from terra.compiler.replay import Builder
 from terra.ir.records import ConstRef, FeedRef, OutputRef, Trace, VariableRef
 
 _cache: dict = {}
 
 
-class _Probe(_Builder):
+class _Probe(Builder):
     """Builds one record in a scratch graph: fed and produced inputs are graph placeholders of
     their recorded specs (values unknown), constants are constants, variables unknown handles."""
 

@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Optional
 
 from terra.pipeline.actions import Action, EVICT, F, LOAD, RECV, SEND
-from terra.pipeline.schedules.base import Schedule, _deps
+from terra.pipeline.schedules.base import Schedule, action_deps
 from terra.pipeline.schedules.one_f_one_b import one_f_one_b_order
 
 _TRANSFER_ORDER = {RECV: 0, LOAD: 1, EVICT: 2, SEND: 3}
@@ -231,7 +231,7 @@ def add_send_recv(schedule: Schedule) -> Schedule:
     where = {a: (r, t) for r, t, a in schedule.actions() if a.is_compute}
     transfers = [list(map(list, row)) for row in schedule.transfers]
     for a, (r, t) in where.items():
-        for d in _deps(a, schedule.next_stage, schedule.prev_stage):
+        for d in action_deps(a, schedule.next_stage, schedule.prev_stage):
             if d.stage == a.stage or d not in where:
                 continue
             dr, dt = where[d]

@@ -26,7 +26,7 @@ from typing import Optional
 
 from terra.pipeline.actions import (Action, B, COMPUTE_KINDS, EVICT, F, LOAD, RECV, SEND,
                                     TRANSFER_KINDS)
-from terra.pipeline.schedules.base import Schedule, _deps, format_grid
+from terra.pipeline.schedules.base import Schedule, action_deps, format_grid
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +153,7 @@ def _coverage(schedule: Schedule, steps, out) -> None:
 
 def _dependencies(schedule: Schedule, steps, out) -> None:
     for a, (r, t) in steps.items():
-        for d in _deps(a, schedule.next_stage, schedule.prev_stage):
+        for d in action_deps(a, schedule.next_stage, schedule.prev_stage):
             if d not in steps:
                 out.append(Problem(r, t, a, f"depends on {d}, which never runs"))
             elif steps[d][1] >= t:
@@ -222,7 +222,7 @@ def _send_recv(schedule: Schedule, steps, out) -> None:
     if not sends and not recvs:
         return
     for a, (r, t) in steps.items():  # every cross-rank edge needs a SEND/RECV pair
-        for d in _deps(a, schedule.next_stage, schedule.prev_stage):
+        for d in action_deps(a, schedule.next_stage, schedule.prev_stage):
             if d.stage == a.stage or schedule.rank_of(d.stage) == r:
                 continue
             key = (d.stage, a.stage, a.microbatch)
@@ -261,7 +261,7 @@ def _deadlock(schedule: Schedule, out) -> None:
         for r in range(schedule.p):
             while pos[r] < len(orders[r]):
                 a = orders[r][pos[r]]
-                if not all(d in done for d in _deps(a, schedule.next_stage, schedule.prev_stage)):
+                if not all(d in done for d in action_deps(a, schedule.next_stage, schedule.prev_stage)):
                     break
                 done.add(a)
                 pos[r] += 1
@@ -269,7 +269,7 @@ def _deadlock(schedule: Schedule, out) -> None:
     for r in range(schedule.p):
         if pos[r] < len(orders[r]):
             a = orders[r][pos[r]]
-            missing = [str(d) for d in _deps(a, schedule.next_stage, schedule.prev_stage)
+            missing = [str(d) for d in action_deps(a, schedule.next_stage, schedule.prev_stage)
                        if d not in done]
             out.append(Problem(r, schedule.compute[r].index(a), a,
                                f"deadlock: rank {r} blocks here waiting for {', '.join(missing)}"))

@@ -4,9 +4,9 @@ These pieces need no TraceGraph: the PythonRunner hands out `Placeholder`s, feed
 case/loop choices through `FeedChannel`s, reads values through `FetchChannel`s, while the
 `GraphRunner` runs the generated graph function on a background thread. See docs/runtime.md.
 """
-from terra.runtime.channels import (DEFAULT_TIMEOUT, FeedChannel, FeedFetchOrder, FetchChannel,
+from terra.compiler.channels import (DEFAULT_TIMEOUT, FeedChannel, FeedFetchOrder, FetchChannel,
                                     case_select_channel, loop_cond_channel, wait_until)
-from terra.runtime.errors import ChannelClosedError, TerraRuntimeError, TerraTimeoutError
+from terra.errors import ChannelClosedError, TerraRuntimeError, TerraTimeoutError
 from terra.runtime.graph_runner import (FetchResolver, GraphRun, GraphRunner, Timing, op_index_of,
                                         op_node_name, timing, with_error_context)
 from terra.runtime.placeholders import ConstantResolver, Placeholder, is_placeholder

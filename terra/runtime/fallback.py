@@ -23,7 +23,6 @@ from terra import _tf_private as tfp
 from terra.ir.op_kinds import HOST_OPS
 from terra.ir.records import ConstRef, Feed, FeedRef, Fetch, OutputRef, Trace, VariableRef
 from terra.runtime.placeholders import Placeholder
-from tensorflow.python.eager import execute as _execute
 
 from terra.tracing.recorder import Recorder, frozen_value
 
@@ -219,7 +218,7 @@ class EagerReplay:
                     if b == rec.index and t in resumed:
                         tfp.pause_tape(t)
                         resumed.remove(t)
-                self._run_one(rec, ctx, _execute)
+                self._run_one(rec, ctx, tfp.execute_module)
         finally:
             for t in resumed:
                 tfp.pause_tape(t)
@@ -344,7 +343,7 @@ class ContinuingRecorder(Recorder):
 
     def op(self, op_type, inputs, attrs, route, run):
         if route == "fast" and not self.too_long and (_reads_raw_variable(op_type, inputs) or (
-                _execute.must_record_gradient() and _has_raw_value(inputs))):
+                tfp.execute_module.must_record_gradient() and _has_raw_value(inputs))):
             # C++ would read the variable invisibly; the wrapper's slow path reads it in Python,
             # where the read is an op we record (and the tape sees the same value).
             self._fast_failed = op_type

@@ -32,26 +32,14 @@ import weakref
 import tensorflow as tf
 
 from terra import _tf_private as tfp
-from terra.runtime.channels import DEFAULT_TIMEOUT, wait_until
-from terra.runtime.errors import TerraRuntimeError
+from terra.compiler.channels import DEFAULT_TIMEOUT, wait_until
+from terra.compiler.names import op_index_of, op_node_name
+from terra.errors import TerraRuntimeError
 
 __all__ = ["GraphRunner", "GraphRun", "FetchResolver", "Timing", "timing", "op_node_name",
            "op_index_of", "with_error_context", "extended_error"]
 
-_OP_NAME_PREFIX = "terra_op_"
 _NODE_RE = re.compile(r"\{\{node ([^}]+)\}\}")
-_INDEX_RE = re.compile(re.escape(_OP_NAME_PREFIX) + r"(\d+)")
-
-
-def op_node_name(index):
-    """Graph node name for recorded op `index` (so errors can be mapped back)."""
-    return f"{_OP_NAME_PREFIX}{index}"
-
-
-def op_index_of(node_name):
-    """Recorded op index from a node name made by `op_node_name` (None if not one of ours)."""
-    m = _INDEX_RE.search(node_name)
-    return int(m.group(1)) if m else None
 
 
 def _failing_op_index(error, index_of):

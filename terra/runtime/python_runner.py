@@ -28,7 +28,7 @@ from terra.ir.op_kinds import HOST_OPS
 from terra.ir.records import ConstRef, FeedRef, Fetch, OutputRef, Trace, VariableRef
 from terra.runtime.placeholders import Placeholder
 from terra.tracing import hook
-from terra.tracing.recorder import frozen_value, _is_python_value, freeze_attr
+from terra.tracing.recorder import frozen_value, is_python_value, freeze_attr
 
 
 PAST_END = "op after the end of the path"
@@ -371,7 +371,7 @@ class PythonRunner(hook.Interceptor):
                     self._diverge("different variable", e, "resource tensor")
                 return
             born = self.born.get(id(v))
-            if born is not None and born[0] is v and (_is_python_value(born[1]) or isinstance(
+            if born is not None and born[0] is v and (is_python_value(born[1]) or isinstance(
                     born[1], (np.ndarray, np.generic)) and isinstance(e, ConstRef)):
                 if isinstance(e, ConstRef):
                     if self._frozen(born[1], e.dtype) != e.value or v.dtype.name != e.dtype:
@@ -394,7 +394,7 @@ class PythonRunner(hook.Interceptor):
                 self._feed(e.slot, v, v)
                 return
             self._diverge("numpy value where the path has no feed", e, f"ndarray {v.shape}")
-        if _is_python_value(v):
+        if is_python_value(v):
             if isinstance(e, ConstRef):
                 try:
                     ok = self._frozen(v, e.dtype) == e.value

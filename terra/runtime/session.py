@@ -41,13 +41,14 @@ import numpy as np
 
 from terra.ir.records import (ConstRef, Feed, FeedRef, OutputRef, TensorSpec, Trace,
                               VariableRef, replace)
-from terra.runtime.channels import FeedChannel, FeedFetchOrder, FetchChannel, drop_elements
+from terra.compiler.channels import FeedChannel, FeedFetchOrder, FetchChannel, drop_elements
 from terra.runtime import xla
-from terra.runtime.errors import TerraRuntimeError
+from terra.errors import TerraRuntimeError
 from terra.runtime.fallback import (ContinuingRecorder, EagerReplay, Snapshot, bind_placeholders,
                                     unsnapshotable,
                                     written_variables)
-from terra.runtime.graph_runner import GraphRunner, extended_error, op_node_name
+from terra.compiler.names import op_node_name
+from terra.runtime.graph_runner import GraphRunner, extended_error
 from terra.runtime.interrupts import held_interrupts
 from terra.runtime.placeholders import Placeholder
 from terra.runtime.python_runner import (PAST_END, UNSET, Diverged, Divergence, GradUnit, PathView,
@@ -66,7 +67,7 @@ def _set_active(interceptor) -> None:
 
 
 # ------------------------------------------------------------------------------------ path graphs
-class _ChannelBuilder(replay._Builder):
+class _ChannelBuilder(replay.Builder):
     """Replay's builder with feeds dequeued from channels and fetches enqueued at their points."""
 
     def __init__(self, trace, graph, order):
@@ -1196,8 +1197,7 @@ class Session:
         if not self._installed:
             hook.install()
             self._installed = True
-            _install_optimizer_unit()
-            _install_function_unit()
+            hook.route_units(_route_unit)
 
     # ---------------------------------------------------------------- pipelined iterations
     def collect_pending(self, convert: bool = True) -> None:
@@ -1396,7 +1396,7 @@ class Session:
         it = self.iteration
         if it is None or it.mode not in ("skip", "tracing") or tape not in it.tapes or \
                 self.foreign():
-            return base(tape, _real(target), _real(sources), _real(output_gradients),
+            return base(tape, real_values(target), real_values(sources), real_values(output_gradients),
                         unconnected_gradients)
         flat_args = (tf.nest.flatten(target) + ["|"] + tf.nest.flatten(sources) + ["|"] +
                      tf.nest.flatten(output_gradients) + ["|"] + list(tape._terra_watched))
@@ -1413,8 +1413,8 @@ class Session:
             except Diverged as d:
                 it.fallback(d.divergence)
         rec = it.recorder
-        target, sources, output_gradients = (_real(target), _real(sources),
-                                             _real(output_gradients))
+        target, sources, output_gradients = (real_values(target), real_values(sources),
+                                             real_values(output_gradients))
         guard = tuple(a if isinstance(a, str) else self.guard_ref(it, a) for a in flat_args) + \
             (str(unconnected_gradients), tape._watch_accessed_variables)
         start = len(rec.trace.records)
@@ -1463,7 +1463,7 @@ class Session:
                 it.fallback(d.divergence)
         rec = it.recorder
         with _terra_reads(it):
-            pairs = [(_real(g), v) for g, v in pairs]
+            pairs = [(real_values(g), v) for g, v in pairs]
             flat = [x._terra_materialize() if isinstance(x, Placeholder) else x for x in flat]
         guard = (id(opt), settings) + tuple(
             x if isinstance(x, str) else self.guard_ref(it, x) for x in flat)
@@ -1483,7 +1483,7 @@ class Session:
         it = self.iteration
         if it is None or it.mode not in ("skip", "tracing") or self._layer_depth or \
                 not getattr(layer, "built", False) or \
-                not type(layer).__module__.startswith(_KERAS_LAYER_MODULES):
+                not type(layer).__module__.startswith(tfp.KERAS_BUILTIN_LAYER_MODULES):
             return original(layer, *args, **kwargs)
         settings = tuple((k, v) for k, v in vars(layer).items()
                          if isinstance(v, (bool, int, float, str, type(None))))
@@ -1558,14 +1558,14 @@ class Session:
                 if runner.pos >= runner.view.n and not it.extended_elsewhere():  # the loop is over
                     with self.internal():
                         it.finish_past_end(_with_reason(d.divergence, PAST_END))
-                    return original(fn, *_real(args), **_real(kwargs))
+                    return original(fn, *real_values(args), **real_values(kwargs))
                 it.fallback(d.divergence)
         if it.mode != "tracing" or it.recorder is None or not it.recorder.recording or \
                 it.recorder.in_unit:
             return original(fn, *args, **kwargs)
         rec = it.recorder
         if any(isinstance(x, Placeholder) for x in flat):  # bound after a fallback: tapes
-            args, kwargs = _real(args), _real(kwargs)      # watch their values, not them
+            args, kwargs = real_values(args), real_values(kwargs)      # watch their values, not them
             flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True)
         start = len(rec.trace.records)
         result = original(fn, *args, **kwargs)
@@ -1885,68 +1885,32 @@ class Session:
         gc.collect()  # destroy dropped graphs' queues and variables now, not inside later code
 
 
-_optimizer_patched = False
-_KERAS_LAYER_MODULES = ("keras.src.layers.",)
+def _route_unit(kind, original, obj, args, kwargs):
+    """The hook's unit router (terra/tracing/hook.py, `route_units`): a coarse unit's call goes
+    to its rule while an iteration runs on the session's thread; otherwise it runs unchanged."""
+    if SESSION.foreign() or SESSION.iteration is None or not CONFIG.enabled:
+        return original(obj, *args, **kwargs)
+    return _UNIT_RULES[kind](obj, original, args, kwargs)
 
 
-def _install_optimizer_unit():
-    """Route Keras `Optimizer.apply_gradients` through the session (a coarse unit); outside an
-    iteration, or when disabled, it runs unchanged."""
-    global _optimizer_patched
-    if _optimizer_patched:
-        return
-    try:
-        from keras.src.optimizers.base_optimizer import BaseOptimizer
-    except ImportError:  # another Keras layout: no coarse unit, op-by-op matching still works
-        return
-    original = BaseOptimizer.apply_gradients
-
-    def apply_gradients(self, grads_and_vars):
-        if SESSION.foreign() or SESSION.iteration is None or not CONFIG.enabled:
-            return original(self, grads_and_vars)
-        return SESSION.apply_gradients(self, original, grads_and_vars)
-
-    apply_gradients.__wrapped__ = original
-    BaseOptimizer.apply_gradients = apply_gradients
-    _optimizer_patched = True
-    try:
-        from keras.src.layers.layer import Layer
-    except ImportError:
-        return
-    layer_call = Layer.__call__
-
-    def __call__(self, *args, **kwargs):
-        if SESSION.foreign() or SESSION.iteration is None or not CONFIG.layer_units:
-            return layer_call(self, *args, **kwargs)
-        return SESSION.layer_call(self, layer_call, args, kwargs)
-
-    __call__.__wrapped__ = layer_call
-    Layer.__call__ = __call__
+def _apply_gradients_unit(opt, original, args, kwargs):
+    return SESSION.apply_gradients(opt, original, *args, **kwargs)
 
 
-_function_patched = False
+def _layer_unit(layer, original, args, kwargs):
+    if not CONFIG.layer_units:
+        return original(layer, *args, **kwargs)
+    return SESSION.layer_call(layer, original, args, kwargs)
 
 
-def _install_function_unit():
-    """Route eager `tf.function` calls through the session (a coarse unit); outside an
-    iteration they run unchanged."""
-    global _function_patched
-    if _function_patched:
-        return
-    cls = tfp.PolymorphicFunction
-    original = cls.__call__
+def _function_unit(fn, original, args, kwargs):
+    return SESSION.function_call(fn, original, args, kwargs)
 
-    # AutoGraph converts what is not TF's own code; converting this wrapper (when converted code
-    # calls a tf.function) loses its closure: keep it out, as TF's own `__call__` is
-    @tf.autograph.experimental.do_not_convert
-    def __call__(self, *args, **kwargs):
-        if SESSION.foreign() or SESSION.iteration is None or not CONFIG.enabled:
-            return original(self, *args, **kwargs)
-        return SESSION.function_call(self, original, args, kwargs)
 
-    __call__.__wrapped__ = original
-    cls.__call__ = __call__
-    _function_patched = True
+# kind (terra/tracing/hook.py's unit patches) -> the Session method that guards, records or
+# skips the call as one unit
+_UNIT_RULES = {"apply_gradients": _apply_gradients_unit, "layer": _layer_unit,
+               "function": _function_unit}
 
 
 def _with_reason(d: Divergence, reason: str) -> Divergence:
@@ -2000,7 +1964,7 @@ def _shape_of(result):
         if isinstance(x, (tf.Tensor, tf.__internal__.CompositeTensor)) else x, result)
 
 
-def _real(structure):
+def real_values(structure):
     """`structure` with placeholders replaced by their values (the tape knows only those)."""
     if structure is None:
         return None

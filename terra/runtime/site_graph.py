@@ -6,7 +6,7 @@ representative traces of all compiled paths of the site into one TraceGraph and 
 (terra/compiler/lower.py: `switch_case` on Case-Select feeds, `while_loop` on Loop-Cond feeds),
 so a branch Python takes costs a Case-Select put instead of a restart.
 
-The Python side follows `terra.compiler.drive.plan` (docs/lowering.md, "The Python side"): per
+The Python side follows `terra.compiler.plan.plan` (docs/lowering.md, "The Python side"): per
 path, the events (selects, loop conds, feeds) are precomputed with the record index `at` where
 Python knows them. Skip mode matches ops against the predicted path as with a PathGraph; after
 each matched record a `SiteRun` performs the events with `at` below the runner's position; the
@@ -27,11 +27,11 @@ import time
 
 from tensorflow.core.protobuf import rewriter_config_pb2
 
-from terra.compiler.drive import _Planner
+from terra.compiler.plan import Planner
 from terra.compiler.lower import lower
 from terra.compiler.merge import merge
 from terra.ir.records import Fetch, Trace
-from terra.runtime.channels import drop_elements
+from terra.compiler.channels import drop_elements
 from terra.runtime.fallback import Snapshot, written_variables
 from terra.runtime.placeholders import Placeholder
 
@@ -66,7 +66,7 @@ class SitePlan:
     """
 
     def __init__(self, lowered, trace: Trace, path):
-        p = _Planner(lowered, trace)
+        p = Planner(lowered, trace)
         events = [ev for ev in p.run() if ev.kind != "get"]
         self.path = path
         self.n = len(trace.records)

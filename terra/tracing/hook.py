@@ -219,6 +219,52 @@ FETCH_METHODS = {"numpy": "numpy", "__array__": "array", "__bool__": "bool", "__
                  "__format__": "format", "__str__": "str"}
 
 
+# ------------------------------------------------------------------------- coarse-unit patches
+# `optimizer.apply_gradients`, Keras layer calls and eager `tf.function` calls are matched as one
+# guarded unit each. The patched methods hand the call to the unit router the runtime sets
+# (`route_units`) with the unit's kind; with no router they call the original.
+_unit_router: "Callable | None" = None
+
+
+def route_units(router: "Callable | None") -> None:
+    """`router(kind, original, obj, args, kwargs)` receives every unit call from now on (None:
+    the originals run)."""
+    global _unit_router
+    _unit_router = router
+
+
+def _wrap_unit(kind):
+    def factory(orig):
+        # AutoGraph converts what is not TF's own code; converting this wrapper (when converted
+        # code calls a tf.function or a layer) loses its closure: keep it out, as TF's own is
+        @_do_not_convert
+        def unit_call(self, *args, **kwargs):
+            router = _unit_router
+            if router is None:
+                return orig(self, *args, **kwargs)
+            return router(kind, orig, self, args, kwargs)
+        unit_call.__wrapped__ = orig
+        unit_call.__name__ = getattr(orig, "__name__", kind)
+        return unit_call
+    return factory
+
+
+def _do_not_convert(fn):
+    import tensorflow as tf
+    return tf.autograph.experimental.do_not_convert(fn)
+
+
+def _unit_table():
+    keras_classes = tfp.keras_unit_classes()
+    table = [(tfp.PolymorphicFunction, "__call__", _wrap_unit("function"))]
+    if "apply_gradients" in keras_classes:
+        table.append((keras_classes["apply_gradients"], "apply_gradients",
+                      _wrap_unit("apply_gradients")))
+    if "layer" in keras_classes:
+        table.append((keras_classes["layer"], "__call__", _wrap_unit("layer")))
+    return table
+
+
 def _patch_table():
     table = [(tfp.pywrap_tfe_module, tfp.FAST_PATH_ATTR, _wrap_fast_path),
              (tfp.execute_module, "quick_execute", _wrap_execute),
@@ -229,7 +275,7 @@ def _patch_table():
              (tfp.tensor_util_module, tfp.CONSTANT_VALUE_ATTR, _wrap_constant_value),
              (tfp.BaseResourceVariable, "handle", _wrap_handle)]
     table += [(tfp.EagerTensorBase, m, _wrap_fetch(how)) for m, how in FETCH_METHODS.items()]
-    return table
+    return table + _unit_table()
 
 
 def _raw(owner, attr):
@@ -264,7 +310,7 @@ def uninstall() -> None:
         return
     if _active is not None:
         raise RuntimeError("terra hook: uninstall() while an interceptor is active")
-    for owner, attr, _ in reversed(_patch_table()):
+    for owner, attr in reversed(list(_originals)):  # what install replaced, newest first
         setattr(owner, attr, _originals.pop((owner, attr)))
 
 

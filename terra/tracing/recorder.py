@@ -149,11 +149,11 @@ def _made_in_library(array) -> bool:
     return True
 
 
-def _is_python_value(v) -> bool:
+def is_python_value(v) -> bool:
     if isinstance(v, (bool, int, float, complex, str, bytes, np.generic)):
         return True
     if isinstance(v, (list, tuple)):
-        return all(_is_python_value(e) for e in v)
+        return all(is_python_value(e) for e in v)
     return False
 
 
@@ -492,7 +492,7 @@ class Recorder(hook.Interceptor):
             if v.dtype.name == "resource":
                 return self._variable(v)
             born = self._born.get(id(v))
-            if born is not None and born[0] is v and _is_python_value(born[1]):
+            if born is not None and born[0] is v and is_python_value(born[1]):
                 if v.shape.num_elements() <= self.const_limit and v.dtype.name != "string" or \
                         v.dtype.name == "string" and v.shape.rank == 0:
                     return ConstRef(frozen_value(born[1], v.dtype.name), v.dtype.name)
@@ -510,7 +510,7 @@ class Recorder(hook.Interceptor):
         if isinstance(v, np.ndarray):
             d = dtype or tf.as_dtype(v.dtype).name
             return self._feed(v, TensorSpec(d, tuple(v.shape)), "numpy")
-        if _is_python_value(v):
+        if is_python_value(v):
             d = dtype or _python_dtype(v)
             a = np.asarray(v)
             if a.size <= self.const_limit:

@@ -12,7 +12,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from terra.compiler.drive import (drive, plan, record, remap_variables, twin_run,  # noqa: E402
+from tests.compiler.driver import (drive, plan, record, remap_variables, twin_run,  # noqa: E402
                                   variable_keys)
 from terra.compiler.lower import TOP, lower  # noqa: E402
 from terra.compiler.merge import merge  # noqa: E402
@@ -279,7 +279,7 @@ def test_plan_puts_choices_when_known_and_reads_fetches_when_python_does():
 
 
 def test_graph_runner_no_grappler_uses_the_runner_option():
-    from terra.compiler.drive import GraphRunnerNoGrappler
+    from tests.compiler.driver import GraphRunnerNoGrappler
     from terra.runtime.graph_runner import GraphRunner
     r = GraphRunnerNoGrappler(name="x")
     assert isinstance(r, GraphRunner) and r.grappler is False and r.name == "x"

@@ -1,6 +1,6 @@
 """Graph generation against eager on small real programs (Keras 3 layers and optimizers).
 
-Each test runs a program on two twins with `terra.compiler.drive.twin_run`: A eagerly, B in the
+Each test runs a program on two twins with `tests.compiler.driver.twin_run`: A eagerly, B in the
 tracing phase until the TraceGraph covers its latest trace, then from the lowered graph, driven
 with A's trace of the same iteration. Losses fetched from the graph and every variable (weights,
 optimizer slots and iteration counts) must be bit-identical to eager after every iteration
@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from terra.compiler.drive import all_variables, twin_run  # noqa: E402
+from tests.compiler.driver import all_variables, twin_run  # noqa: E402
 
 CE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -291,7 +291,7 @@ def test_two_tapes_in_one_step():
 def _growth(build, step, configs):
     """Rows (traces, nodes, switch-cases, switch_case ops, while ops, TF ops, build s) after
     merging each trace of `configs` the current lowered graph does not cover."""
-    from terra.compiler.drive import record
+    from tests.compiler.driver import record
     from terra.compiler.lower import lower
     from terra.compiler.merge import merge
     s, g, traces, rows, lw = build(), None, [], [], None

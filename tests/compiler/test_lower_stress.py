@@ -18,11 +18,11 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from terra.compiler.drive import (GraphRunnerNoGrappler, drive, record,  # noqa: E402
+from tests.compiler.driver import (GraphRunnerNoGrappler, drive, record,  # noqa: E402
                                   remap_variables, twin_run, variable_keys)
 from terra.compiler.lower import lower  # noqa: E402
 from terra.compiler.merge import merge  # noqa: E402
-from terra.runtime.errors import TerraTimeoutError  # noqa: E402
+from terra.errors import TerraTimeoutError  # noqa: E402
 
 
 class Vars:

@@ -9,9 +9,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from terra.runtime.channels import (FeedChannel, FeedFetchOrder, FetchChannel,  # noqa: E402
+from terra.compiler.channels import (FeedChannel, FeedFetchOrder, FetchChannel,  # noqa: E402
                                     case_select_channel, loop_cond_channel, wait_until)
-from terra.runtime.errors import ChannelClosedError, TerraTimeoutError  # noqa: E402
+from terra.errors import ChannelClosedError, TerraTimeoutError  # noqa: E402
 
 
 def run_in_thread(fn, *args):

@@ -16,8 +16,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from terra.runtime.channels import FeedChannel, FeedFetchOrder, FetchChannel  # noqa: E402
-from terra.runtime.errors import TerraTimeoutError  # noqa: E402
+from terra.compiler.channels import FeedChannel, FeedFetchOrder, FetchChannel  # noqa: E402
+from terra.errors import TerraTimeoutError  # noqa: E402
 from terra.runtime.graph_runner import GraphRunner  # noqa: E402
 
 

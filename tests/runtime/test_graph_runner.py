@@ -11,9 +11,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from terra.runtime.channels import (FeedChannel, FeedFetchOrder, FetchChannel,  # noqa: E402
+from terra.compiler.channels import (FeedChannel, FeedFetchOrder, FetchChannel,  # noqa: E402
                                     wait_until)
-from terra.runtime.errors import TerraRuntimeError, TerraTimeoutError  # noqa: E402
+from terra.errors import TerraRuntimeError, TerraTimeoutError  # noqa: E402
 from terra.runtime.graph_runner import (FetchResolver, GraphRunner, op_index_of,  # noqa: E402
                                         op_node_name, timing, with_error_context)
 

@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from terra.runtime.channels import FeedChannel, FetchChannel  # noqa: E402
+from terra.compiler.channels import FeedChannel, FetchChannel  # noqa: E402
 from terra.runtime.graph_runner import GraphRunner  # noqa: E402
 
 

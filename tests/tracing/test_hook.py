@@ -204,3 +204,28 @@ def test_placeholder_reaching_eager_execution_is_replaced_by_its_value():
                                           context.context())
     np.testing.assert_array_equal(out.numpy(), [[11.0, 22.0]])
     assert [r.op_type for r in rec.trace.records] == ["AddV2"]
+
+
+def test_unit_patches_are_in_the_table_and_reset_restores_them():
+    """The coarse-unit patches (optimizer.apply_gradients, Keras Layer.__call__, tf.function
+    calls) are hook patches: installed with the session's first iteration, restored by identity
+    by `terra.reset()`."""
+    import terra
+    classes = tfp.keras_unit_classes()
+    owners = {(classes["apply_gradients"], "apply_gradients"), (classes["layer"], "__call__"),
+              (tfp.PolymorphicFunction, "__call__")}
+    assert owners <= set(hook.patched_attributes())
+    terra.reset()
+    before = {k: hook._raw(*k) for k in owners}
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    opt = keras.optimizers.SGD(0.1)
+    f = tf.function(lambda v: v * 2.0)
+    for _ in range(3):
+        with tf.TerraGradientTape() as tape:
+            loss = tf.reduce_sum(model(np.ones((1, 2), np.float32))) + f(tf.constant(1.0))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+    assert all(hook._raw(*k) is not before[k] for k in owners)  # patched while Terra runs
+    terra.reset()
+    assert all(hook._raw(*k) is before[k] for k in owners)
+    assert not hook.installed()

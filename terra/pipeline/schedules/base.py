@@ -28,7 +28,7 @@ from terra.pipeline.actions import Action, B, F, format_cell, parse_cell
 Cell = Optional[Action]
 
 
-def _check_positive(**values):
+def check_positive(**values):
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -47,7 +47,7 @@ class Schedule:
     transfers: tuple[tuple[tuple[Action, ...], ...], ...] = field(default=None)
 
     def __post_init__(self):
-        _check_positive(p=self.p, m=self.m, v=self.v, pipe_depth=self.pipe_depth)
+        check_positive(p=self.p, m=self.m, v=self.v, pipe_depth=self.pipe_depth)
         if len(self.compute) != self.p:
             raise ValueError(f"compute must have one row per rank ({self.p}), got {len(self.compute)}")
         steps = max((len(row) for row in self.compute), default=0)
@@ -219,7 +219,7 @@ def format_grid(schedule: Schedule, marks: Optional[dict] = None, transfers: boo
 
 
 # ------------------------------------------------------------------------------ list scheduler
-def _deps(action: Action, next_stage, prev_stage) -> list[Action]:
+def action_deps(action: Action, next_stage, prev_stage) -> list[Action]:
     if action.kind is F:
         prev = prev_stage(action.stage)
         return [] if prev is None else [Action(prev, F, action.microbatch)]
@@ -254,7 +254,7 @@ def from_orders(name: str, p: int, m: int, orders: Sequence[Sequence[Action]],
                 rows[r].append(None)
                 continue
             a = orders[r][pos[r]]
-            if all(done.get(d, t) < t for d in _deps(a, shape.next_stage, shape.prev_stage)):
+            if all(done.get(d, t) < t for d in action_deps(a, shape.next_stage, shape.prev_stage)):
                 rows[r].append(a)
                 started.append(a)
                 pos[r] += 1

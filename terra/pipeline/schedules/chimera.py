@@ -16,7 +16,7 @@ included); ``m`` must be a multiple of ``p``.
 from __future__ import annotations
 
 from terra.pipeline.actions import Action, B
-from terra.pipeline.schedules.base import Schedule, _check_positive, _deps, from_orders
+from terra.pipeline.schedules.base import Schedule, check_positive, action_deps, from_orders
 from terra.pipeline.schedules.one_f_one_b import one_f_one_b_order
 
 
@@ -40,7 +40,7 @@ def chimera_unit_orders(p: int) -> list[list[Action]]:
         started = []
         for r in range(p):
             ready = [i for i, q in enumerate(queues[r])
-                     if q and all(done.get(d, t) < t for d in _deps(q[0], nxt, prev))]
+                     if q and all(done.get(d, t) < t for d in action_deps(q[0], nxt, prev))]
             if not ready:
                 continue
             ready.sort(key=lambda i: (queues[r][i][0].kind is not B, i == last_pipe[r]))
@@ -58,7 +58,7 @@ def chimera_unit_orders(p: int) -> list[list[Action]]:
 
 
 def chimera(p: int, m: int) -> Schedule:
-    _check_positive(p=p, m=m)
+    check_positive(p=p, m=m)
     if p % 2:
         raise ValueError(f"chimera needs an even number of ranks p (two pipelines of p stages "
                          f"in opposite directions pair rank i with p-1-i), got p={p}")

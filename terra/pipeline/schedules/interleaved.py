@@ -11,7 +11,7 @@ its first backward rank ``r`` holds ``p (v - 1) + 2 (p - r - 1) + 1`` chunk acti
 from __future__ import annotations
 
 from terra.pipeline.actions import Action, B, F
-from terra.pipeline.schedules.base import Schedule, _check_positive, from_orders
+from terra.pipeline.schedules.base import Schedule, check_positive, from_orders
 
 
 def interleaved_order(rank: int, p: int, m: int, v: int) -> list[Action]:
@@ -35,7 +35,7 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
 
     ``m`` must be a multiple of ``p``: the order visits micro-batches in groups of ``p`` per chunk,
     so a partial group would skip micro-batches in one chunk and repeat them in another."""
-    _check_positive(p=p, m=m, v=v)
+    check_positive(p=p, m=m, v=v)
     if m % p:
         raise ValueError(f"interleaved_1f1b needs m to be a multiple of p (micro-batches run in "
                          f"groups of p per model chunk), got m={m}, p={p}")

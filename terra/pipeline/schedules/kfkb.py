@@ -12,7 +12,7 @@ last group would make it a different plan), otherwise ValueError.
 from __future__ import annotations
 
 from terra.pipeline.actions import Action
-from terra.pipeline.schedules.base import Schedule, _check_positive, from_orders
+from terra.pipeline.schedules.base import Schedule, check_positive, from_orders
 from terra.pipeline.schedules.one_f_one_b import one_f_one_b_order
 
 
@@ -24,7 +24,7 @@ def kfkb_order(stage: int, p: int, m: int, k: int) -> list[Action]:
 
 
 def kfkb(p: int, m: int, k: int) -> Schedule:
-    _check_positive(p=p, m=m, k=k)
+    check_positive(p=p, m=m, k=k)
     if m % k:
         raise ValueError(f"kfkb needs m to be a multiple of k (groups of k micro-batches are "
                          f"indivisible), got m={m}, k={k}; divisors of m: "

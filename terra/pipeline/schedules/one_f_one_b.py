@@ -4,7 +4,7 @@ alternate one forward and one backward, then drain the backwards. Stage ``s`` ho
 from __future__ import annotations
 
 from terra.pipeline.actions import Action, B, F
-from terra.pipeline.schedules.base import Schedule, _check_positive, from_orders
+from terra.pipeline.schedules.base import Schedule, check_positive, from_orders
 
 
 def one_f_one_b_order(stage: int, p: int, m: int) -> list[Action]:
@@ -19,6 +19,6 @@ def one_f_one_b_order(stage: int, p: int, m: int) -> list[Action]:
 
 def one_f_one_b(p: int, m: int) -> Schedule:
     """1F1B over ``p`` ranks (one stage each) and ``m`` micro-batches (any m >= 1)."""
-    _check_positive(p=p, m=m)
+    check_positive(p=p, m=m)
     orders = [one_f_one_b_order(s, p, m) for s in range(p)]
     return from_orders("1f1b", p, m, orders, stage_ranks=range(p), pipe_depth=p)

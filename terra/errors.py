@@ -1,4 +1,4 @@
-"""Errors of the co-execution runtime.
+"""Errors Terra raises itself (not TF op errors), shared by the compiler's channels and the runtime.
 
 Every Python-side wait of the runtime is bounded; when a bound is reached the wait raises
 `TerraTimeoutError`, naming the channel (op / slot) it waited on, so a hang becomes a clear error.

@@ -1,17 +1,10 @@
 """Test driver: plays the PythonRunner's part for one iteration of a lowered graph.
 
-    events = plan(lowered, trace)                  # what Python does, in Python's order
+    events = plan(lowered, trace)                  # what Python does (terra/compiler/plan.py)
     result = drive(lowered, trace, runner=runner)  # run the graph and play the events
 
 `trace` is the trace an eager run of the same iteration produced (typically on a twin model, with
-`remap_variables` applied so its variables are the graph's). `plan` finds the trace in the graph
-(by merging it: a covered trace maps every record to a node), then walks it the way the
-PythonRunner would: at each record, first the fetches Python reads before issuing it, then the
-choices it now knows (Case-Select of every switch-case up to the record's node, Loop-Cond True
-when an iteration starts), then the record's feeds. Choices that only become known when
-something after them happens (a default branch once a path has ended, Loop-Cond False after the
-last iteration) are put at the next record, or at the end. Python never puts a value before it
-could know it, and reads a fetch exactly when the program did.
+`remap_variables` applied so its variables are the graph's).
 
 Fetch channels get one element per visit of the node; the driver discards the elements Python
 does not read, and checks at the end that the graph enqueued exactly one element per visit and
@@ -25,35 +18,15 @@ from typing import Callable, Optional
 import numpy as np
 
 from terra import _tf_private as tfp
-from terra.compiler.case_assignment import path_choices
-from terra.compiler.lower import TOP, Lowered, lower
-from terra.compiler.merge import _shape as _merge_shape  # what `covers` compares
-from terra.compiler.merge import merge
-from terra.ir.records import FeedRef, OpRecord, Trace, VariableRef
-from terra.ir.trace_graph import LOOP
+from terra.compiler.lower import Lowered, lower
+from terra.compiler.merge import merge, shape_key
+from terra.compiler.plan import Event, Planner, plan
+from terra.ir.records import OpRecord, Trace, VariableRef
 from terra.runtime.graph_runner import GraphRunner
 from terra.tracing import Recorder
 
 __all__ = ["Event", "plan", "drive", "DriveResult", "GraphRunnerNoGrappler", "remap_variables",
            "variable_keys", "twin_run", "TwinRun"]
-
-_PENDING = None
-
-
-@dataclass(slots=True)
-class Event:
-    """One Python-side action. kind: "select" (key (level, k), value case index), "cond" (key
-    loop node, value bool), "feed" (key (node, position), value: feed slot), "get" (key
-    (node, output index), value: visit number; `ref` = (record, index) read), "record" (no-op
-    marker: Python issued record `at`). `at`: the record index when Python knows / does it."""
-    kind: str
-    key: object
-    value: object
-    at: Optional[int]
-    ref: object = None
-
-    def __repr__(self) -> str:
-        return f"{self.kind}({self.key!r}={self.value!r} @{self.at})"
 
 
 @dataclass
@@ -99,135 +72,6 @@ def remap_variables(trace: Trace, mapping: dict) -> Trace:
                  dict(trace.functions), list(trace.unseeded_random), list(trace.fast_fallbacks))
 
 
-# ---------------------------------------------------------------------------------------- plan
-class _Planner:
-    def __init__(self, lowered: Lowered, trace: Trace, merged=None):
-        g = merged if merged is not None else lowered.match(trace)
-        if g is None:
-            raise ValueError(f"drive: trace {trace.site!r} ({len(trace)} ops) is not covered by "
-                             f"the lowered graph")
-        self.lw, self.trace = lowered, trace
-        self.tid = lowered.graph.num_traces
-        self.node, self.level_of, self.levels = {}, {}, {TOP: g}
-        self.rec_node, self.visit_starts = {}, {}
-        self._index(TOP, g)
-        self.events = []
-
-    def _index(self, lid, g):
-        for n in g.op_nodes:
-            self.node[n.id], self.level_of[n.id] = n, lid
-            idxs = n.seen.get(self.tid, ())
-            if n.kind == LOOP:
-                self.levels[n.id] = n.loop.body
-                self.visit_starts[n.id] = list(idxs)
-                self._index(n.id, n.loop.body)
-            else:
-                for r in idxs:
-                    self.rec_node[r] = n.id
-
-    def owner(self, r, lid):
-        n = self.rec_node[r]
-        while self.level_of[n] != lid:
-            n = self.level_of[n]
-        return n
-
-    def add(self, kind, key, value, at, ref=None):
-        self.events.append(Event(kind, key, value, at, ref))
-
-    # ---- walk
-    def level(self, lid, recs):
-        items, i = [], 0
-        while i < len(recs):
-            n = self.owner(recs[i], lid)
-            j = i + 1
-            if self.node[n].kind == LOOP:
-                starts = self.visit_starts[n]
-                while j < len(recs) and self.owner(recs[j], lid) == n and recs[j] not in starts:
-                    j += 1
-            items.append((n, recs[i:j]))
-            i = j
-        g = self.levels[lid]
-        lp = self.lw.levels[lid]
-        choices = path_choices(lp.switch_cases, (g.start,) + tuple(n for n, _ in items) + (g.end,))
-        nxt = 0
-        for n, rs in items:
-            self.add("record", None, None, rs[0])
-            k = lp.switch_case_of[n]
-            self.decide(lid, lp, choices, nxt, k + 1, rs[0])
-            nxt = k + 1
-            if self.node[n].kind == LOOP:
-                self.loop(n, rs)
-            else:
-                self.feeds(n, rs[0])
-        self.decide(lid, lp, choices, nxt, len(lp.switch_cases), _PENDING)
-
-    def decide(self, lid, lp, choices, a, b, at):
-        for k in range(a, b):
-            if lp.has_op[k]:
-                self.add("select", (lid, k), choices[k], at)
-
-    def feeds(self, n, r):
-        rec = self.trace.records[r]
-        for fp in self.lw.feed_points.get(n, ()):
-            ref = rec.inputs[fp.position[0]]
-            if len(fp.position) == 2:
-                ref = ref[fp.position[1]]
-            if not isinstance(ref, FeedRef):
-                raise ValueError(f"drive: record %{r} input {fp.position} is {ref!r}, not a feed")
-            self.add("feed", (n, fp.position), ref.slot, r)
-
-    def loop(self, n, rs):
-        node = self.node[n]
-        visit = self.visit_starts[n].index(rs[0])
-        trips = node.loop.trip_counts[self.tid][visit]
-        for fp in self.lw.feed_points.get(n, ()):  # Carried inits fed at the loop
-            self.add("feed", (n, fp.position), fp.source.slot, rs[0])
-        depth, loop_id = len(node.loop.key[1]), node.loop.key[0]
-        groups = {}
-        for r in rs:
-            it = self.trace.records[r].location.loops[depth]
-            if it.loop != loop_id:
-                raise ValueError(f"drive: record %{r} is not in loop {loop_id}")
-            groups.setdefault(it.iteration, []).append(r)
-        unrolled = n in self.lw.unrolled
-        for k in range(trips):
-            its = groups.get(k, [])
-            if not unrolled:
-                self.add("cond", n, True, its[0] if its else _PENDING)
-            self.level(n, its)
-        if not unrolled:
-            self.add("cond", n, False, _PENDING)
-
-    def run(self):
-        n_rec = len(self.trace.records)
-        self.level(TOP, list(range(n_rec)))
-        nxt = n_rec
-        for ev in reversed(self.events):  # pending choices: known at the next record (or end)
-            if ev.at is _PENDING:
-                ev.at = nxt
-            nxt = ev.at
-        ats = [ev.at for ev in self.events]
-        if ats != sorted(ats):
-            raise AssertionError(f"drive: events out of Python order: {self.events}")
-        visits = {}
-        gets = []
-        for f in self.trace.fetches:
-            node = self.rec_node[f.ref.record]
-            order = sorted(self.node[node].seen[self.tid])
-            gets.append(Event("get", (node, f.ref.index), order.index(f.ref.record),
-                              f.after_record, (f.ref.record, f.ref.index)))
-        merged = sorted([(ev.at, 1, i, ev) for i, ev in enumerate(self.events)]
-                        + [(ev.at, 0, i, ev) for i, ev in enumerate(gets)], key=lambda x: x[:3])
-        del visits
-        return [ev for *_, ev in merged if ev.kind != "record"]
-
-
-def plan(lowered: Lowered, trace: Trace, merged=None) -> list:
-    """The Python side of one iteration as a list of Events, in the order Python performs them.
-    `merged`: `lowered.match(trace)` if already computed (saves a merge)."""
-    return _Planner(lowered, trace, merged).run()
-
-
 # --------------------------------------------------------------------------------------- drive
 def drive(lowered: Lowered, trace: Trace, *, runner: Optional[GraphRunner] = None,
           feed_values: Optional[dict] = None, delay: Optional[Callable] = None,
@@ -238,7 +82,7 @@ def drive(lowered: Lowered, trace: Trace, *, runner: Optional[GraphRunner] = Non
     far (for programs that feed back what they fetched); default: `trace.feed_values`.
     delay: called before every Python-side action (e.g. a random sleep, for stress tests).
     Every wait is bounded by `timeout` (TerraTimeoutError). `merged`: as for `plan`."""
-    p = _Planner(lowered, trace, merged)
+    p = Planner(lowered, trace, merged)
     events = p.run()
     expected = {key: len(p.node[key[0]].seen.get(p.tid, ())) for key in lowered.fetches}
     runner = runner or GraphRunnerNoGrappler()
@@ -364,7 +208,7 @@ def twin_run(build, step, configs, *, variables, loss_of=lambda out: out, rtol=N
             trace_b, _ = record(step, b, *cfg)
             run.eager_b += 1
             new = merge(run.graph, trace_b)
-            covered = run.graph is not None and _merge_shape(new) == _merge_shape(run.graph)
+            covered = run.graph is not None and shape_key(new) == shape_key(run.graph)
             if not covered or run.lowered is not None:  # a new path, or a fallback: add it
                 run.graph = new
                 run.traces.append(trace_b)

@@ -20,7 +20,7 @@ import time
 
 import tensorflow as tf
 
-from terra.runtime.errors import ChannelClosedError, TerraRuntimeError, TerraTimeoutError
+from terra.errors import ChannelClosedError, TerraRuntimeError, TerraTimeoutError
 
 __all__ = ["FeedChannel", "FetchChannel", "FeedFetchOrder", "case_select_channel",
            "loop_cond_channel", "DEFAULT_TIMEOUT", "wait_until", "drop_elements"]
