@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import terra  # noqa: E402
-from terra.runtime import session as session_module  # noqa: E402
+from terra import _tf_private as tfp  # noqa: E402
 from terra.runtime.session import SESSION  # noqa: E402
 
 STEPS = 10
@@ -129,8 +129,8 @@ def _gate_program(Tape, bump):
 
 @pytest.mark.parametrize("bump", [False, True])
 def test_a_read_inside_a_unit_is_fetched_once_skip_mode_makes_it(monkeypatch, bump):
-    monkeypatch.setattr(session_module, "_KERAS_LAYER_MODULES",
-                        session_module._KERAS_LAYER_MODULES + (__name__,))
+    monkeypatch.setattr(tfp, "KERAS_BUILTIN_LAYER_MODULES",
+                        tfp.KERAS_BUILTIN_LAYER_MODULES + (__name__,))
     eager = _gate_program(tf.GradientTape, bump)
     got = _gate_program(tf.TerraGradientTape, bump)
     terra.end_iteration()
