@@ -11,7 +11,9 @@ import sys
 import tensorflow as tf
 
 from terra.runtime.placeholders import Placeholder
-from terra.runtime.session import SESSION, real_values
+from terra.runtime import units
+from terra.runtime.session import SESSION
+from terra.runtime.units import real_values
 from terra.tracing import hook
 
 
@@ -75,16 +77,16 @@ class GradientTape(tf.GradientTape):
     @_not_converted
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
-        return SESSION.gradient(self, target, sources, output_gradients, unconnected_gradients)
+        return units.gradient(SESSION, self, target, sources, output_gradients, unconnected_gradients)
 
     @_not_converted
     def jacobian(self, target, sources, *args, **kwargs):
-        SESSION.force_eager("tape.jacobian")
+        units.force_eager(SESSION, "tape.jacobian")
         return super().jacobian(real_values(target), real_values(sources), *args, **kwargs)
 
     @_not_converted
     def batch_jacobian(self, target, source, *args, **kwargs):
-        SESSION.force_eager("tape.batch_jacobian")
+        units.force_eager(SESSION, "tape.batch_jacobian")
         return super().batch_jacobian(real_values(target), real_values(source), *args, **kwargs)
 
 

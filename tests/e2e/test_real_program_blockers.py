@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import terra  # noqa: E402
-from terra.runtime.session import generalize  # noqa: E402
+from terra.runtime.sites import generalize  # noqa: E402
 from terra.ir.records import (ConstRef, Feed, FeedRef, Location, OpRecord, OutputRef,  # noqa: E402
                               TensorSpec, Trace)
 
@@ -362,16 +362,16 @@ def test_a_placeholder_referenced_only_by_an_unheld_one_is_not_kept():
     count as kept only while the output is (before, any reference counted, and an iteration
     whose gate nothing held fell back with "value kept past the iteration")."""
     from terra.runtime.placeholders import ConstantResolver, Placeholder
-    from terra.runtime.session import _kept_unresolved
+    from terra.runtime.iteration import kept_unresolved
 
     def ph():
         return Placeholder.create(tf.float32, [], ConstantResolver(1.0))
     phs = {(1, 0): ph(), (2, 0): ph()}  # logits, gate (only this dict holds them)
     phs[(2, 0)]._keras_logits = phs[(1, 0)]
-    assert _kept_unresolved(phs, {}) == []
+    assert kept_unresolved(phs, {}) == []
     held = phs[(2, 0)]  # noqa: F841 - the program holds the gate: both are kept
-    assert _kept_unresolved(phs, {}) == [OutputRef(1, 0), OutputRef(2, 0)]
-    assert _kept_unresolved(phs, {OutputRef(1, 0): None}) == [OutputRef(2, 0)]
+    assert kept_unresolved(phs, {}) == [OutputRef(1, 0), OutputRef(2, 0)]
+    assert kept_unresolved(phs, {OutputRef(1, 0): None}) == [OutputRef(2, 0)]
     del held
     kept = phs[(1, 0)]  # noqa: F841 - the logits held directly
-    assert _kept_unresolved(phs, {}) == [OutputRef(1, 0)]
+    assert kept_unresolved(phs, {}) == [OutputRef(1, 0)]

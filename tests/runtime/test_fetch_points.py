@@ -159,7 +159,7 @@ def test_finished_iterations_are_freed_without_the_cyclic_collector():
     outputs and variable snapshot meanwhile)."""
     import gc
 
-    from terra.runtime.session import Iteration
+    from terra.runtime.iteration import Iteration
 
     def alive():
         return sum(1 for o in gc.get_objects() if isinstance(o, Iteration))

@@ -18,7 +18,7 @@ import tensorflow as tf  # noqa: E402
 import terra  # noqa: E402
 from terra.compiler.channels import wait_until  # noqa: E402
 from terra.runtime.interrupts import held_interrupts  # noqa: E402
-from terra.runtime.session import Iteration  # noqa: E402
+from terra.runtime.iteration import Iteration  # noqa: E402
 
 STEPS = 40
 

@@ -208,15 +208,18 @@ def test_cycling_shapes_with_inputs_sliced_before_the_tape():
 def test_no_graph_run_is_in_flight_when_a_fallback_replays_eagerly(monkeypatch):
     """A fallback at the first feed of iteration i+1 (a batch of a new shape: the run of i+1 has
     not started) must still wait for run i: the eager replay and tracing read the variables."""
+    from terra.runtime import iteration as iteration_mod
     from terra.runtime import session as session_mod
     seen = []
 
-    class Checked(session_mod.EagerReplay):
+    class Checked(iteration_mod.EagerReplay):
         def run(self, upto):
             s = session_mod.SESSION
             seen.append((s.runner.done, len(s.pending)))
             return super().run(upto)
 
+    # the fallback's replay (Iteration.fallback) and a late failure's (Session._collect)
+    monkeypatch.setattr(iteration_mod, "EagerReplay", Checked)
     monkeypatch.setattr(session_mod, "EagerReplay", Checked)
 
     def program(Tape, steps=14):
@@ -288,7 +291,7 @@ def test_unread_fetches_and_finished_iterations_do_not_pile_up():
 def test_iterations_finished_without_overlap_let_go_of_their_run(settings, monkeypatch):
     """Without pipelining an iteration waits for its run when it finishes; it then drops its
     runner, run and variable snapshot as a collected pipelined one does."""
-    from terra.runtime.session import Iteration
+    from terra.runtime.iteration import Iteration
 
     eager = _train(tf.GradientTape, steps=10)
     finished, real_finish = [], Iteration.finish

@@ -1,0 +1,62 @@
+"""The events `terra.explain()` lists, and the one-screen `terra.summary()`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of `terra.explain()`."""
+    kind: str      # trace | graph_build | fallback | eager
+    site: str
+    iteration: int
+    detail: str
+    where: str
+
+    def __str__(self):
+        return f"[{self.kind}] {self.site} iteration {self.iteration}: {self.detail} ({self.where})"
+
+
+def render(events, sites, site_graph_on: bool) -> str:
+    """`terra.explain()`: every event, then one line per site."""
+    lines = [str(e) for e in events]
+    for site in sites:
+        state = f"eager ({site.eager_reason})" if site.eager_reason else site.phase
+        lines.append(f"site {site.label}: {site.traces} traces, {len(site.paths)} paths, "
+                     f"{site.fallbacks} fallbacks, {state}" +
+                     (f", site graph over {len(site.site_graph.paths)} paths"
+                      if site.site_graph is not None and site_graph_on else ""))
+    return "\n".join(lines) if lines else "terra: nothing has run yet"
+
+
+def summary(stats: dict, sites, events, max_sites: int = 8) -> str:
+    """One screen: totals, time in Python and in the graph, each site's state, what stayed
+    eager and why, fallbacks grouped by reason."""
+    sites = list(sites)
+    lines = [f"terra: {stats['iterations']} iterations at {len(sites)} site(s): "
+             f"{stats['traces']} traces, {stats['graph_builds']} graph builds, "
+             f"{stats['fallbacks']} fallbacks, {stats['path_switches']} path switches",
+             f"  time: Python {stats['python_exec_s']:.2f} s (of it waiting for the graph "
+             f"{stats['python_stall_s']:.2f} s), graph {stats['graph_exec_s']:.2f} s "
+             f"(of it waiting for Python {stats['graph_stall_s']:.2f} s)"]
+    for site in sites[:max_sites]:
+        state = "eager" if site.eager_reason else site.phase
+        lines.append(f"  site {site.label}: {state}; {site.traces} traces, "
+                     f"{len(site.paths)} paths, {site.fallbacks} fallbacks")
+    if len(sites) > max_sites:
+        lines.append(f"  ... and {len(sites) - max_sites} more sites")
+    eager = [site for site in sites if site.eager_reason]
+    if eager:
+        lines.append("  stayed eager:")
+        lines += [f"    {site.label}: {site.eager_reason}" for site in eager[:max_sites]]
+    reasons: dict = {}
+    for e in events:
+        if e.kind == "fallback":
+            key = e.detail.split(" (op #")[0]
+            reasons[key] = reasons.get(key, 0) + 1
+    if reasons:
+        lines.append("  fallbacks by reason:")
+        lines += [f"    {n} x {why}" for why, n in
+                  sorted(reasons.items(), key=lambda kv: -kv[1])[:max_sites]]
+    lines.append("  (terra.explain() lists every trace, build and fallback with its line)")
+    return "\n".join(lines)

@@ -1,0 +1,646 @@
+"""One iteration of one site: tracing, co-execution along a compiled path (skip mode), switches
+between paths, the fallback to eager tracing, and the iteration's end."""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import tensorflow as tf
+
+from terra import _tf_private as tfp
+from terra.config import CONFIG
+from terra.errors import TerraRuntimeError
+from terra.ir.records import FeedRef, OutputRef
+from terra.runtime.fallback import ContinuingRecorder, EagerReplay, Snapshot, bind_placeholders
+from terra.runtime.graph_runner import extended_error
+from terra.runtime.placeholders import Placeholder
+from terra.runtime.python_runner import UNSET, Divergence, PythonRunner, placeholder_ref, user_line
+from terra.runtime.site_graph import SiteRun
+from terra.tracing import hook
+
+if TYPE_CHECKING:
+    from terra.runtime.sites import Path
+
+
+# ------------------------------------------------------------------------------------ hook control
+def set_active(interceptor) -> None:
+    """Route this thread's ops to `interceptor` (None: nobody)."""
+    hook.deactivate((interceptor, threading.get_ident() if interceptor is not None else None))
+
+
+# ------------------------------------------------------------------------------------ iteration
+class Iteration:
+    """One iteration of one site; `mode` is tracing, skip (co-execution), eager or done."""
+
+    def __init__(self, session, site, frame, number):
+        self.session = session
+        self.site = site
+        self.frame = frame
+        self.number = number
+        self.mode = "eager"
+        self.recorder: ContinuingRecorder | None = None
+        self.runner: PythonRunner | None = None
+        self.path: Path | None = None
+        self.run = None
+        self.snap = None
+        self.fallback_gap: int | None = None   # iterations since the site's previous fallback
+        self.fetched: set = set()
+        self.outputs: dict = {}
+        self.tapes: list = []
+        self.tape_spans: list = []   # [tape, first op, end op or None]
+        self.t0 = time.perf_counter()
+        self.stall = 0.0
+        self.replayed: dict = {}
+        self.pending = False   # finished, its graph run not yet collected (pipelined)
+        self.site_run: SiteRun | None = None   # set when the iteration drives the site's SiteGraph
+
+    def release(self) -> None:
+        """Drop what a finished, collected iteration no longer needs; its values resolve from
+        `outputs` and `replayed`. Its runner, run and snapshot closure refer back to it, so
+        without this every iteration whose placeholders the program dropped would be cyclic
+        garbage, freed only by a full collection, which CPython runs rarely in a process holding
+        TF's many long-lived objects: memory grew by every run's outputs and variable snapshot
+        (0.4 GB per ResNet-50 step)."""
+        self.run = self.snap = self.runner = self.site_run = None
+
+    # ---------------------------------------------------------------- graph of the iteration
+    def graph(self):
+        """The graph this iteration runs: the site's SiteGraph or its path's PathGraph."""
+        return self.site_run.graph if self.site_run is not None else self.path.graph
+
+    def snapshot(self) -> Snapshot:
+        return self.site_run.graph.snapshot if self.site_run is not None else self.path.snapshot
+
+    def liveouts(self):
+        return self.site_run.plan.liveouts if self.site_run is not None else \
+            self.path.graph.liveouts
+
+    def use_site_graph(self, graph, plan) -> None:
+        """Drive SiteGraph `graph` along `plan` (None: the path's own PathGraph)."""
+        runner = self.runner
+        if plan is None:
+            self.site_run = None
+            runner.advance = None
+            return
+        self.site_run = SiteRun(graph, plan, runner)
+        runner.advance = self.site_run.advance
+
+    def collect_outputs(self, fetch) -> dict:
+        """Live-out values of a finished site-graph run (taken from their fetch channels)."""
+        sr = self.site_run
+        out = {}
+        for ref in sr.plan.liveouts:
+            if sr.fetchable(ref):
+                out[ref] = sr.fetch(fetch, ref, CONFIG.timeout_s)
+        sr.leave_unread()
+        return out
+
+    # ---------------------------------------------------------------- co-execution
+    def position(self) -> int:
+        if self.mode == "skip":
+            return self.runner.pos
+        if self.mode == "tracing" and self.recorder is not None:
+            return len(self.recorder.trace.records)
+        return 0
+
+    def add_tape(self, tape) -> None:
+        self.tapes.append(tape)
+        self.tape_spans.append([tape, self.position(), None])
+
+    def tape_exited(self, tape) -> None:
+        for span in self.tape_spans:
+            if span[0] is tape and span[2] is None:
+                span[2] = self.position()
+
+    def frame_alive(self) -> bool:
+        f = sys._getframe(1)
+        target = self.frame
+        while f is not None:
+            if f is target:
+                return True
+            f = f.f_back
+        return False
+
+    def put_feed(self, slot, value) -> None:
+        if self.site_run is not None:  # put by the plan's events (runner.advance)
+            return
+        ch = self.path.graph.feed_channels[slot]
+        ch.put(value._terra_materialize() if isinstance(value, Placeholder) else value)
+        if CONFIG.coexecution:
+            self.start_graph()  # (a no-op once started) after the put: no blocked dequeue
+
+    def run_failed(self) -> bool:
+        r = self.run
+        return r is not None and r.state == "error"
+
+    def abandon_run(self, eager_next: bool = True) -> None:
+        """Stop this iteration's graph run (cancel it, or collect a finished one whose result is
+        no longer wanted: the path taken next recomputes, an eager replay reports any error),
+        drop its unread fetches and restore the variables it may have written."""
+        s = self.session
+        # Earlier iterations' runs end first (and may fail), also when this iteration's run has
+        # not started, if eager ops follow (a fallback's replay must see all their writes) or
+        # channels are drained (their runs must have enqueued everything). A path switch before
+        # anything was put needs neither: the next run simply queues after theirs.
+        if eager_next or self.run is not None or self.runner is not None and self.runner.fed:
+            s.collect_pending(convert=False)
+        if self.run is None:
+            if self.mode == "skip" and self.runner is not None and (
+                    self.runner.fed or self.site_run is not None and self.site_run.done):
+                # lazy mode: nothing ran, but what Python put is queued (on a site graph the
+                # next path would dequeue it)
+                self.graph().drain()
+            return
+        if not self.run.done:
+            s.runner.cancel(timeout=CONFIG.timeout_s, first=self.run)
+        else:
+            try:
+                s.runner.result(timeout=CONFIG.timeout_s, run=self.run)
+            except Exception:  # noqa: BLE001 - see the docstring
+                pass
+        self.graph().drain()
+        if self.snap is not None:  # None: the run never started, so it wrote nothing
+            self.snapshot().restore(self.snap)
+        self.run = None
+        self.snap = None
+
+    def start_graph(self) -> None:
+        """Queue this iteration's run; right before it starts (after every earlier run ended)
+        the worker snapshots the variables it may write, for a fallback to restore."""
+        if self.run is None:
+            graph, snap = self.graph(), self.snapshot()
+            self.snap = None
+
+            def snapshot():
+                self.snap = snap.take()
+            self.run = self.session.runner.start(graph.concrete, before=snapshot,
+                                                 config=graph.run_config)
+
+    def resolve(self, ref: OutputRef):
+        """Value of a placeholder of this iteration (a Python sync point)."""
+        s = self.session
+        with s.internal():
+            if self.mode == "skip":
+                v = self.path.static.get(ref)  # a shape the path fixes: no need to wait
+                if v is not None:
+                    self.runner.log_fetch(ref)
+                    s.static_reads += 1
+                    return v
+            if self.mode == "skip" and s.pending:
+                s.collect_pending()  # our run comes after theirs anyway; may fall back
+            if self.mode == "skip":
+                sr = self.site_run
+                if sr is not None:
+                    ch = sr.fetchable(ref) or None
+                else:
+                    graph = self.path.graph
+                    ch = graph.fetch_channels.get(ref)
+                if ch is not None and ref not in self.fetched:
+                    self.start_graph()
+                    t = time.perf_counter()
+                    try:
+                        if sr is not None:
+                            v = sr.fetch(s.runner.fetch, ref, CONFIG.timeout_s)
+                        else:
+                            for _ in range(graph.stale.pop(ref, 0)):  # earlier runs' unread
+                                s.runner.fetch(ch, timeout=CONFIG.timeout_s)
+                            v = s.runner.fetch(ch, timeout=CONFIG.timeout_s)
+                    except tf.errors.OpError:
+                        v = None
+                    finally:
+                        dt = time.perf_counter() - t
+                        self.stall += dt
+                        s.python_stall_s += dt
+                    if v is not None:
+                        self.fetched.add(ref)
+                        self.runner.log_fetch(ref)
+                        return v
+                    self.fallback(Divergence(user_line(), "a value", "a graph error",
+                                             self.runner.pos, "graph error"))
+                else:
+                    self.runner.log_fetch(ref)  # the next graph fetches it
+                    if sr is None and ref.record < len(self.path.trace.records):
+                        # this path's next build fetches it too: a value Python read once
+                        # (every tenth step, say) is read again, and then needs no fallback
+                        self.path.absorb_fetch(ref, self.runner.pos)
+                    self.fallback(Divergence(user_line(), "no fetch", f"fetch of %{ref.record}",
+                                             self.runner.pos, "value needed by Python that the "
+                                             "graph does not fetch"))
+                return self.replayed[(ref.record, ref.index)]
+            if self.pending:
+                v = self._early_liveout(ref) if self.site_run is None else \
+                    self._early_site_liveout(ref)
+                if v is not None:
+                    return v
+                s.collect_pending()
+            v = self.outputs.get(ref)
+            if v is None:
+                v = self.replayed.get((ref.record, ref.index))
+            if v is None:
+                raise TerraRuntimeError(f"terra: the value of op #{ref.record} of iteration "
+                                        f"{self.number} at {self.site.label} was not kept")
+            return v
+
+    def unit_read(self, ref):
+        """The value a skipped unit's Python would read at `ref` now (GradUnit.reads): a feed's
+        value (UNSET: a feed the unit supplies itself, as recorded), what Python already has,
+        a value the path fixes, or a fetch; None if the graph does not fetch it."""
+        runner = self.runner
+        if isinstance(ref, FeedRef):
+            v = runner.fed.get(ref.slot)
+            if v is None:
+                return UNSET
+            return np.asarray(v._terra_materialize() if isinstance(v, Placeholder) else v)
+        ph = runner.placeholders.get((ref.record, ref.index))
+        if ph is not None and ph.is_materialized:
+            return ph.numpy()
+        v = self.path.static.get(ref)
+        if v is not None:
+            return np.asarray(v)
+        sr = self.site_run
+        fetchable = sr.fetchable(ref) if sr is not None else \
+            ref in self.path.graph.fetch_channels
+        if not fetchable or ref in self.fetched:
+            return None
+        return runner._placeholder(self.path.trace.records[ref.record], ref.index).numpy()
+
+    def _early_site_liveout(self, ref):
+        """`_early_liveout` on a SiteGraph: this iteration's elements precede those of later
+        runs in the channel, and what it takes now is counted for its collection."""
+        sr, s = self.site_run, self.session
+        if ref not in sr.plan.liveouts or not sr.fetchable(ref):
+            return None
+        t = time.perf_counter()
+        try:
+            v = sr.fetch(s.runner.fetch, ref, CONFIG.timeout_s)
+        except tf.errors.OpError:
+            return None  # its run failed: collecting it reports the error
+        finally:
+            s.python_stall_s += time.perf_counter() - t
+        self.outputs[ref] = v
+        return v
+
+    def _early_liveout(self, ref):
+        """A value this finished iteration left to the program, read from its fetch channel
+        while its run may still be going (None: not there any more; wait for the run)."""
+        graph = self.path.graph
+        ch = graph.fetch_channels.get(ref)
+        v = self.outputs.get(ref)
+        if v is not None or ch is None or ref in self.fetched or not graph.stale.get(ref):
+            return v
+        s = self.session
+        t = time.perf_counter()
+        try:
+            for _ in range(graph.stale[ref] - 1):  # older iterations' unread values
+                s.runner.fetch(ch, timeout=CONFIG.timeout_s)
+            v = s.runner.fetch(ch, timeout=CONFIG.timeout_s)
+        except tf.errors.OpError:
+            return None  # its run failed: collecting it reports the error
+        finally:
+            s.python_stall_s += time.perf_counter() - t
+        graph.stale[ref] = 0
+        self.fetched.add(ref)
+        self.outputs[ref] = v
+        return v
+
+    def switch(self, d: Divergence, at_end: bool = False, tried=None, accepts=None) -> bool:
+        """Restart the iteration on another compiled path that agrees with the current one on
+        every op matched so far (a branch both paths were traced through): cancel the graph,
+        restore the variables, start the other graph and feed it what Python fed so far.
+        Placeholders keep their refs (the prefixes are equal). False if there is none.
+
+        On a SiteGraph, a path whose plan agrees with the current one before op `pos` (same
+        nodes, same selects, conds and feeds put) is taken without touching the run: a seamless
+        switch (`case_switches`). `accepts(q)`: whether path `q` can take what Python does at
+        `pos` (paths that cannot are not tried: each restart costs a variable restore)."""
+        runner, cur, pos = self.runner, self.path, self.runner.pos
+        prefix = cur.signature[0][:pos]
+        fed_specs = [cur.trace.feeds[sl].spec for sl in sorted(runner.fed)]
+        tried = set() if tried is None else tried
+        tried.add(id(cur))
+        candidates = []
+        for q in self.site.paths.values():
+            if id(q) in tried or q.graph is None or q.stale or q.view is None:
+                continue
+            if at_end and q.view.n != pos or not at_end and q.view.n <= pos:
+                continue
+            if q.signature[0][:pos] != prefix:
+                continue
+            if [q.trace.feeds[sl].spec for sl in sorted(runner.fed) if sl < len(q.trace.feeds)] \
+                    != fed_specs:
+                continue
+            if {u.start for u in cur.units.values() if u.end <= pos} != \
+                    {u.start for u in q.units.values() if u.end <= pos}:
+                continue
+            if accepts is not None and not accepts(q):
+                continue
+            candidates.append(q)
+        sr = self.site_run
+        if sr is not None:
+            sg = sr.graph
+            for q in candidates:
+                plan = sg.plan_of(q)
+                if plan is not None and sr.done == sr.plan.count_before(pos) and \
+                        sr.plan.agrees(plan, pos):
+                    tried.add(id(q))
+                    sr.plan = plan
+                    self.path = q
+                    runner.view = q.view
+                    s = self.session
+                    s.case_switches += 1
+                    s._event("case_switch", self.site, self.number, f"p{cur.id} -> p{q.id} at "
+                             f"op #{pos} in the site graph: {d.reason}", d.location)
+                    return True
+        for q in candidates:
+            tried.add(id(q))
+            s = self.session
+            with s.internal():
+                self.abandon_run(eager_next=False)
+                if s.deferred_error is not None:  # an earlier iteration failed: fall back
+                    return False
+                self.run = None
+                self.path = q
+                runner.view = q.view
+                sg = sr.graph if sr is not None else None
+                self.use_site_graph(sg, sg.plan_of(q) if sg is not None else None)
+                if self.site_run is not None:
+                    self.site_run.advance(pos)
+                else:
+                    for slot in runner.fed_order:
+                        self.put_feed(slot, runner.fed[slot])
+                self.fetched = set()
+                if CONFIG.coexecution and (self.site_run is not None or runner.fed_order or
+                                           not q.early_feed):
+                    self.start_graph()
+            s.switches += 1
+            s._event("switch", self.site, self.number, f"p{cur.id} -> p{q.id} at op #{pos}: "
+                     f"{d.reason}", d.location)
+            return True
+        return False
+
+    def fallback(self, d: Divergence):
+        """Leave skip mode (see terra/runtime/fallback.py); returns the recorder now active."""
+        s = self.session
+        runner = self.runner
+        runner.skipping = False
+        s.count_fallback(self, d)
+        with s.internal():
+            self.abandon_run()
+            self.use_site_graph(None, None)
+            self.mode = "done"  # until the replay succeeded
+            watches: dict = {}
+            pre_watch: dict = {}
+            for tape in self.tapes:
+                now, later = tape._terra_rewatch(
+                    lambda ph: (lambda r: None if r is None else (r.record, r.index))(
+                        placeholder_ref(ph, runner)))
+                pre_watch[tape] = now
+                for key in later:
+                    watches.setdefault(key, []).append(tape)
+            replay = EagerReplay(self.path.trace, runner.fed, self.tape_spans, watches, pre_watch)
+            try:
+                env = replay.run(runner.pos)
+            except tf.errors.OpError as e:  # the op raises as in eager; say which one it is
+                raise with_location(e, self, replay.at) from None
+            self.replayed = env
+            bind_placeholders(runner.placeholders, env)
+            rec = ContinuingRecorder(self.site.label, CONFIG.max_trace_ops)
+            rec.seed(self.path.trace, runner.pos, runner.fed, env, runner.placeholders,
+                     self.path.units, runner.fetch_log, replay, runner.born)
+            runner.placeholders = {}
+            for handle, variable in runner.handles.values():
+                rec.variable_handle(variable, handle)
+            set_active(None)
+            rec.start(self.frame)
+            set_active(None)  # internal() hands ops to the recorder when Terra's work is done
+            rec._keep = None
+            self.recorder = rec
+            self.mode = "tracing"
+        s.raise_deferred()
+        return rec
+
+    # ---------------------------------------------------------------- end
+    def extended_elsewhere(self) -> bool:
+        """Another path of the site goes on where this one ended, with the same ops so far: an
+        op after the end is then that path's next op (a GAN's generator step after its last
+        critic step, first traced when its optimizer created slots), not the program leaving
+        the loop, and the iteration falls back to trace it instead of ending."""
+        pos = self.runner.pos
+        prefix = self.path.signature[0][:pos]
+        return any(q is not self.path and len(q.signature[0]) > pos and
+                   q.signature[0][:pos] == prefix for q in self.site.paths.values())
+
+    def finish_past_end(self, d: Divergence) -> None:
+        """The program issued an op after the last op of the path (typically: the training loop
+        is over): end the iteration here; that op and the next ones run eagerly, outside any
+        iteration, until the next tape."""
+        s = self.session
+        s._event("end", self.site, self.number, f"iteration ended by {d.observed} after the "
+                 f"last op of the path; following ops run eagerly", d.location)
+        with s.internal():
+            self.finish()
+        s.collect_pending()  # the next ops run eagerly
+
+    def finish(self) -> None:
+        """End the iteration (the next __enter__, reset, or leaving the site)."""
+        s = self.session
+        # The frame of the tape's site is needed only while the iteration runs. Once that frame
+        # has returned, holding it would keep its locals (the last step's gradients, loss, tape)
+        # alive: they would pass for values the program keeps (`held_refs`, `kept_unresolved`)
+        # and be fetched every step. (A fallback from here records from the current frame.)
+        self.frame = None
+        if self.mode == "skip":
+            if self.runner.pos < self.path.view.n and not self.switch(
+                    Divergence(user_line(), "", "", self.runner.pos, "iteration ended"), True):
+                if self._pure_tail():
+                    self._finish_pure_tail()
+                else:
+                    self.fallback(Divergence(user_line(), f"{self.path.view.n} ops",
+                                             f"{self.runner.pos} ops", self.runner.pos,
+                                             "iteration ended early"))
+            else:
+                self._finish_skip()
+        if self.mode == "tracing":
+            self.replayed = {}  # bound placeholders keep what the program still holds
+            s.finish_trace(self)
+        if self.mode == "skip":
+            s.python_exec_s += time.perf_counter() - self.t0 - self.stall
+            self.path.hits += 1
+            self.site.last_path = self.path
+            self.site.note_path(self.path)
+        self.mode = "done"
+        set_active(None)
+
+    def _pure_tail(self) -> bool:
+        """The iteration ends before the last ops of its path (typically ops that prepare the
+        next step's data before the next tape, when the program or a benchmark harness ends the
+        iteration between steps), and every op left is pure: no state, no randomness, no function
+        call. Then the path's graph may compute them anyway: nothing the program holds comes
+        from them, and they change nothing."""
+        if self.site_run is not None or self.runner.pos == 0:
+            return False
+        for rec in self.path.view.records[self.runner.pos:]:
+            op_def = tfp.get_op_def(rec.op_type) if rec.route != "function" else None
+            if op_def is None or op_def.is_stateful:
+                return False
+        return True
+
+    def _finish_pure_tail(self) -> None:
+        """Finish on the path's graph (see `_pure_tail`): the feeds of the ops left get the
+        values the path was traced with (the same ops ran on them eagerly), and their outputs
+        are not read."""
+        s, runner, trace = self.session, self.runner, self.path.trace
+        with s.internal():
+            for slot in range(len(trace.feeds)):
+                if slot not in runner.fed:
+                    runner.record_feed(slot, trace.feed_values[slot], trace.feed_values[slot])
+        s.pure_tails += 1
+        s._event("end", self.site, self.number, f"iteration ended {self.path.view.n - runner.pos} "
+                 f"ops before the end of path p{self.path.id}; those ops are pure: the graph runs "
+                 f"them on the traced feed values, unread", None)
+        self._finish_skip()
+
+    def _finish_skip(self) -> None:
+        s = self.session
+        if s.pending:
+            s.collect_pending()  # at most one iteration in flight; may fall back (and raise)
+            if self.mode != "skip":
+                return
+        sr = self.site_run
+        if sr is not None:
+            with s.internal():
+                ended = sr.finish()  # the choices known only at the end
+            if not ended:
+                self.fallback(Divergence(user_line(), "every feed put", "a feed never supplied",
+                                         self.runner.pos, "iteration ended before a feed"))
+                return
+        if CONFIG.coexecution and CONFIG.overlap_iterations:
+            with s.internal():
+                self.start_graph()
+                missing = kept_unresolved(self.runner.placeholders, set(self.liveouts()))
+            if missing:
+                self.fallback(Divergence(user_line(), "values kept by the graph",
+                                         f"%{missing[0].record} kept by the program",
+                                         self.runner.pos, "value kept past the iteration"))
+                return
+            if sr is None:
+                self.path.graph.leave_unread(self.fetched)
+            self.runner.placeholders = {}
+            self.pending = True
+            s.pending.append(self)
+            s.overlapped += 1
+            return
+        with s.internal():
+            self.start_graph()
+            t = time.perf_counter()
+            try:
+                outs = s.runner.result(timeout=CONFIG.timeout_s, run=self.run)
+            except tf.errors.OpError:
+                outs = FAILED
+            finally:
+                dt = time.perf_counter() - t
+                self.stall += dt
+                s.python_stall_s += dt
+            if outs is FAILED:
+                self.fallback(Divergence(user_line(), "a value", "a graph error",
+                                         self.runner.pos, "graph error"))
+                return
+            if sr is not None:
+                try:
+                    self.outputs = self.collect_outputs(s.runner.fetch)
+                except tf.errors.OpError:  # the run finished: an element missing is a bug
+                    raise TerraRuntimeError("terra: a finished site-graph run did not fetch "
+                                            "every live-out value") from None
+                sr.graph.drain()
+            else:
+                self.outputs = dict(zip(self.path.graph.liveouts, outs))
+                self.path.graph.drain(self.fetched)
+            missing = kept_unresolved(self.runner.placeholders, self.outputs)
+            if missing:
+                self.fallback(Divergence(user_line(), "values kept by the graph",
+                                         f"%{missing[0].record} kept by the program",
+                                         self.runner.pos, "value kept past the iteration"))
+                return
+            self.runner.placeholders = {}
+        self.release()
+
+
+FAILED = object()  # a run's result when it raised (a site graph's function returns None)
+
+
+def kept_unresolved(placeholders: dict, outputs: dict) -> list:
+    """Refs of placeholders the program still holds whose value neither Python fetched nor the
+    graph returned. Held means reachable from outside `placeholders`: a reference from another
+    placeholder's attributes counts only if that one is held (Keras sets `_keras_logits` on an
+    activation's output, pointing at its input: a GRU's gate logits stay referenced by a gate
+    that nothing holds)."""
+    inner, edges = _placeholder_edges(placeholders)
+    d = {"probe": object()}
+    base = None
+    for _, v in d.items():
+        base = sys.getrefcount(v)
+    del v
+    stack = []
+    for key, ph in placeholders.items():  # (counting adds no reference: ids only)
+        if sys.getrefcount(ph) - base > inner.get(key, 0):
+            stack.append(key)
+    del ph
+    held = set()
+    while stack:
+        key = stack.pop()
+        if key not in held:
+            held.add(key)
+            stack.extend(edges.get(key, ()))
+    return [OutputRef(*key) for key in sorted(held)
+            if not placeholders[key].is_materialized and OutputRef(*key) not in outputs]
+
+
+def _placeholder_edges(placeholders: dict):
+    """(references to each placeholder from others' attributes, key -> keys it references)."""
+    keys = {id(ph): key for key, ph in placeholders.items()}
+    inner, edges = {}, {}
+    for key, ph in placeholders.items():
+        for v in _attribute_values(ph):
+            k = keys.get(id(v))
+            if k is not None and v is placeholders[k]:
+                inner[k] = inner.get(k, 0) + 1
+                edges.setdefault(key, []).append(k)
+    return inner, edges
+
+
+def _attribute_values(obj):
+    """Values of `obj`'s instance attributes, and of tuples/lists among them (one level)."""
+    for v in getattr(obj, "__dict__", {}).values():
+        if isinstance(v, (tuple, list)):
+            yield from v
+        else:
+            yield v
+
+
+def with_location(error, it, index, late=False):
+    """`error` (an OpError) re-made with the recorded op and source line that raised it; `late`:
+    it belongs to an iteration the program has already left."""
+    rec = it.path.trace.records[index] if index is not None else None
+    if rec is None:
+        return error
+    extra = (f"terra: raised by op #{index} {rec.function or rec.op_type} recorded at "
+             f"{rec.location.describe()} in iteration {it.number} at {it.site.label}")
+    if late:
+        extra += "; it ran after that iteration's last sync point, so it surfaces here"
+    return extended_error(error, extra, index)
+
+
+def held_refs(recorder) -> set:
+    """Refs of recorded tensors the program still holds at the end of the iteration."""
+    d = {0: (object(), None)}
+    base = None
+    for t, _ in d.values():
+        base = sys.getrefcount(t)
+    out = set()
+    for t, ref in recorder._produced.values():
+        if sys.getrefcount(t) > base:
+            out.add(ref)
+    return out

@@ -1,0 +1,195 @@
+"""One compiled path as one graph: the trace replayed with feed and fetch channels, run with the
+session's graph settings (Grappler, no arithmetic rewrites or remapping by default, XLA)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import tensorflow as tf
+from tensorflow.core.protobuf import rewriter_config_pb2
+
+from terra import _tf_private as tfp
+from terra.compiler import replay
+from terra.compiler.channels import FeedChannel, FeedFetchOrder, FetchChannel, drop_elements
+from terra.compiler.names import op_node_name
+from terra.config import CONFIG
+from terra.ir.records import OutputRef
+from terra.runtime import xla
+from terra.runtime.graph_runner import GraphRunner
+
+if TYPE_CHECKING:
+    from terra.runtime.sites import Path
+
+
+# ------------------------------------------------------------------------------------ path graphs
+class _ChannelBuilder(replay.Builder):
+    """Replay's builder with feeds dequeued from channels and fetches enqueued at their points."""
+
+    def __init__(self, trace, graph, order):
+        self.spans = xla.Spans(CONFIG.xla)  # XLA scopes per compute span (no-ops without xla)
+        super().__init__(trace, _LazyFeeds(graph, order, self.spans))
+        self.graph = graph
+        self.order = order
+
+    def _emit_fetches(self, at):
+        refs = self.graph.fetch_at.get(at, ())
+        if refs:
+            self.spans.cut()
+        for ref in refs:
+            with self.spans.channel():
+                self.order.fetch(self.graph.fetch_channels[ref], self.env[(ref.record, ref.index)])
+
+    def run(self):
+        with self.spans:
+            for rec in self.trace.records:
+                self._emit_fetches(rec.index)
+                with self.spans.compute(), tf.name_scope(op_node_name(rec.index)):
+                    outs = self.function(rec) if rec.route == "function" else self.op(rec)
+                for j, t in enumerate(outs or ()):
+                    self.env[(rec.index, j)] = t
+        self._emit_fetches(len(self.trace.records))
+        return self.env
+
+
+class _LazyFeeds:
+    """`feeds[slot]` dequeues the slot's channel on first use (in trace order)."""
+
+    def __init__(self, graph, order, spans):
+        self.graph, self.order, self.spans, self.values = graph, order, spans, {}
+
+    def __getitem__(self, slot):
+        v = self.values.get(slot)
+        if v is None:
+            with self.spans.channel():
+                v = self.values[slot] = self.order.feed(self.graph.feed_channels[slot])
+        return v
+
+
+def skip_fetch_points(path) -> dict:
+    """The path's fetch points that skip mode can read. Skip mode matches a coarse unit
+    (`tape.gradient`, a Keras layer, ...) as a whole without running its Python, so it never
+    makes the reads that unit's Python made while tracing (`tape.gradient` reading a shape, or
+    `apply_gradients` the dense shape of an IndexedSlices gradient); fetched anyway, those values
+    would be left unread every step. A value also read outside units is fetched: that includes
+    a read skip mode made (a unit not matched whole runs its Python op by op), which is logged
+    as such and brings the value in with the next build."""
+    units = (path.view.units if path.view is not None else path.usable_units()).values()
+    spans = [(u.start, u.end) for u in units]
+    checked = {r for u in units for r, _ in u.reads  # values skip mode checks before a unit
+               if isinstance(r, OutputRef) and path.static.get(r) is None}
+    return {ref: after for ref, after in path.fetch_points.items()
+            if ref in path.outside_reads or ref in checked or
+            not any(a <= after <= b for a, b in spans)}
+
+
+class PathGraph:
+    """One generated graph for one path: feed channels per feed slot, fetch channels per fetched
+    output, and the path's live-out values as the function's outputs."""
+
+    run_config = None  # each run keeps the configured ConfigProto (see SiteGraph.run_config)
+
+    def __init__(self, path: "Path"):
+        trace = path.trace
+        self.path = path
+        self.feed_channels = [FeedChannel(f.spec.dtype, f.spec.shape, name=f"terra_feed{f.slot}")
+                              for f in trace.feeds]
+        self.fetch_at: dict = {}
+        self.fetch_channels: dict = {}
+
+        def fetch_channel(ref, at):
+            spec = trace.records[ref.record].outputs[ref.index]
+            self.fetch_channels[ref] = FetchChannel(spec.dtype, spec.shape,
+                                                    name=f"terra_fetch{ref.record}_{ref.index}")
+            self.fetch_at.setdefault(at, []).append(ref)
+
+        for ref, after in sorted(skip_fetch_points(path).items(), key=lambda kv: kv[1]):
+            fetch_channel(ref, max(after, ref.record + 1))
+        self.liveouts = tuple(sorted(path.liveouts, key=lambda r: (r.record, r.index)))
+        # Live-outs are fetched too: the next iteration often consumes one right away (inputs
+        # sliced for the next step after the tape's block) and then needs not wait for the run
+        # to end.
+        for ref in self.liveouts:
+            if ref not in self.fetch_channels and trace.records[ref.record].outputs[
+                    ref.index].dtype not in ("resource", "variant"):
+                fetch_channel(ref, len(trace.records))
+        # fetch channel -> elements that finished iterations left in it unread (their runs
+        # enqueue them; the next reader skips them first)
+        self.stale: dict = {}
+        self.droppers: dict = {}  # pattern of unread counts -> function that drops them
+        liveouts = self.liveouts
+
+        def body():
+            order = FeedFetchOrder()
+            builder = _ChannelBuilder(trace, self, order)
+            env = builder.run()
+            self.xla_spans = builder.spans.count
+            return [env[(r.record, r.index)] for r in liveouts]
+
+        self.concrete = tf.function(body, autograph=False).get_concrete_function()
+
+    def drain(self, fetched=None) -> None:
+        """Empty the channels after a cancelled run; after a finished one (`fetched` given) the
+        feeds were all consumed and only the fetches Python did not take are left. Only when no
+        run of this graph is pending or running."""
+        if fetched is None:
+            for ch in self.feed_channels:
+                if ch.size():
+                    ch.drain()
+        for ref, ch in self.fetch_channels.items():
+            if fetched is None or ref not in fetched:
+                if ch.size():
+                    ch.drain()
+        self.stale = {}
+
+    def leave_unread(self, fetched) -> None:
+        """A finished iteration whose run may still be going read only `fetched`: the elements
+        its run enqueues on the other channels are skipped by the next reader."""
+        for ref in self.fetch_channels:
+            if ref not in fetched:
+                self.stale[ref] = self.stale.get(ref, 0) + 1
+
+    def drop_stale(self) -> None:
+        """Take now the elements finished runs left unread: with no later reader of a channel
+        they would pile up, one per iteration (all runs that added to `stale` have ended, so
+        they are at the heads of their queues)."""
+        drop_elements(self.stale, self.fetch_channels, self.droppers)
+
+    @property
+    def stall_seconds(self) -> float:
+        return sum(ch.stall_seconds for ch in self.feed_channels)
+
+
+def _no_arithmetic_rewrites(config) -> None:
+    """Grappler without its arithmetic optimizer (mutates a ConfigProto). Its rewrites change
+    rounding, and training amplifies that: on ResNet-50 (benchmarks/programs/resnet50.py) the
+    loss was 24% away from eager's after 14 steps with it, and equal without. Where a value
+    is fetched the rewrite cannot apply, which hid this while graphs fetched many values."""
+    config.graph_options.rewrite_options.arithmetic_optimization = \
+        rewriter_config_pb2.RewriterConfig.OFF
+
+
+def _no_remapping(config) -> None:
+    """Grappler without its remapper (mutates a ConfigProto): its fused kernels (MatMul + BiasAdd
+    + Relu) map a NaN input to 0 where eager's Relu gives NaN (config.remapper)."""
+    config.graph_options.rewrite_options.remapping = rewriter_config_pb2.RewriterConfig.OFF
+
+
+class ConfiguredRunner(GraphRunner):
+    """GraphRunner that runs graphs with or without Grappler (config.grappler), its arithmetic
+    optimizer (config.arithmetic_optimizer) and remapper (config.remapper), and with XLA's
+    clusters kept fusable (config.xla), as configured when each run starts."""
+
+    def _call(self, run):
+        if not CONFIG.grappler:
+            with tfp.function_call_config(tfp.disable_grappler):
+                return super()._call(run)
+        changes = [m for m, on in ((_no_arithmetic_rewrites, not CONFIG.arithmetic_optimizer),
+                                   (_no_remapping, not CONFIG.remapper),
+                                   (xla.keep_fusable, CONFIG.xla)) if on]
+        if not changes:
+            return super()._call(run)
+
+        def mutate(config):
+            for change in changes:
+                change(config)
+        with tfp.function_call_config(mutate):
+            return super()._call(run)

@@ -1,0 +1,296 @@
+"""Sites and paths: what a trace is filed under (its path signature), generalization of
+constants that change into feeds, and what keeps a trace from being compiled."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import functools
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from terra import _tf_private as tfp
+from terra.compiler.shapes import shapes_fixed
+from terra.ir.op_kinds import HOST_OPS
+from terra.ir.records import ConstRef, Feed, FeedRef, OutputRef, TensorSpec, Trace, replace
+from terra.runtime.fallback import Snapshot, unsnapshotable
+from terra.runtime.python_runner import GradUnit, PythonRunner
+from terra.runtime.site_graph import SiteGraph
+from terra.runtime.static_values import StaticValues
+from terra.tracing.recorder import frozen_value
+
+if TYPE_CHECKING:
+    from terra.runtime.path_graph import PathGraph
+
+
+# ------------------------------------------------------------------------------------ data
+def _rec_sig(rec):
+    return (rec.op_type, rec.attrs, rec.inputs, rec.route == "function", rec.function, rec.outputs)
+
+
+def path_signature(trace: Trace, units: dict) -> tuple:
+    """What two traces must share to run on one generated graph."""
+    return (tuple(_rec_sig(r) for r in trace.records),
+            tuple(f.spec for f in trace.feeds),
+            tuple(sorted((u.start, u.end) for u in units.values())))
+
+
+def generalize(base: Trace, new: Trace, frozen=()):
+    """`base` with every small constant whose value differs in `new` turned into a feed (a Python
+    value the program changes, e.g. a mutated keep_prob); None if the traces differ otherwise or
+    in nothing. Feed slots are renumbered in first-use order; values are `new`'s. A constant
+    becomes a feed only where its op's output shapes do not depend on its value (`shapes_fixed`):
+    elsewhere each value keeps its own path; nor inside the record spans `frozen` (units whose
+    Python read tensor values: their constants may be made from those values)."""
+    if len(base.records) != len(new.records):
+        return None
+    feeds, values, records = [], [], []
+    by_base, by_new, by_const = {}, {}, {}
+    changed = fed_constant = False
+
+    def slot_for(key_map, key, spec, source, value):
+        s = key_map.get(key)
+        if s is None:
+            s = key_map[key] = len(feeds)
+            feeds.append(Feed(s, spec, source))
+            values.append(value)
+        return s
+
+    def merge_ref(b, n):
+        nonlocal changed, fed_constant
+        if isinstance(b, FeedRef) and isinstance(n, FeedRef):
+            spec = base.feeds[b.slot].spec
+            if spec != new.feeds[n.slot].spec:
+                return None
+            s1 = slot_for(by_base, b.slot, spec, new.feeds[n.slot].source, new.feed_values[n.slot])
+            if by_new.setdefault(n.slot, s1) != s1:
+                return None
+            return FeedRef(s1)
+        if b == n:
+            return b
+        if isinstance(n, ConstRef) and n.dtype != "string":
+            shape = tuple(np.shape(n.value))
+            if isinstance(b, ConstRef) and b.dtype == n.dtype and tuple(np.shape(b.value)) == shape:
+                changed = fed_constant = True
+                # equal value pairs share a slot (one Python value used by forward and backward)
+                return FeedRef(slot_for(by_const, (b.value, n.value, n.dtype),
+                                        TensorSpec(n.dtype, shape), "python-constant", n.value))
+            if isinstance(b, FeedRef) and base.feeds[b.slot].source == "python-constant" and \
+                    base.feeds[b.slot].spec == TensorSpec(n.dtype, shape):
+                sl = slot_for(by_base, b.slot, base.feeds[b.slot].spec, "python-constant", n.value)
+                fed_constant = True
+                return FeedRef(sl) if _same_constant(values[sl], n.value, n.dtype) else None
+        return None
+
+    def spec_of(ref):
+        if isinstance(ref, OutputRef):
+            return base.records[ref.record].outputs[ref.index]
+        return feeds[ref.slot].spec
+
+    for rb, rn in zip(base.records, new.records):
+        if (rb.op_type, rb.attrs, rb.route == "function", rb.function, rb.outputs) != \
+                (rn.op_type, rn.attrs, rn.route == "function", rn.function, rn.outputs):
+            return None
+        fed_constant = False
+        pinned = any(a <= rb.index < b for a, b in frozen)
+        inputs = []
+        for ab, an in zip(rb.inputs, rn.inputs):
+            if isinstance(ab, tuple) or isinstance(an, tuple):
+                if not (isinstance(ab, tuple) and isinstance(an, tuple) and len(ab) == len(an)):
+                    return None
+                m = tuple(merge_ref(x, y) for x, y in zip(ab, an))
+                if any(x is None for x in m):
+                    return None
+                inputs.append(m)
+            else:
+                m = merge_ref(ab, an)
+                if m is None:
+                    return None
+                inputs.append(m)
+        merged = replace(rb, inputs=tuple(inputs))
+        if fed_constant and (pinned or not shapes_fixed(merged, spec_of)):
+            return None
+        records.append(merged)
+    if not changed:
+        return None
+    return Trace(new.site, records, feeds, values, list(new.fetches), dict(new.variables),
+                 list(new.unsupported), dict(new.functions), list(new.unseeded_random),
+                 list(new.fast_fallbacks))
+
+
+def _same_constant(value, frozen, dtype: str) -> bool:
+    """Whether feed value `value` (a frozen constant, a Python or NumPy value, or an EagerTensor
+    when the slot was first merged from two feeds) is the constant `frozen`, by value. `==` on a
+    tensor or an array compares elementwise, and its truth value raises."""
+    if isinstance(value, tfp.EagerTensorBase):
+        value = value.numpy()
+    try:
+        return frozen_value(value, dtype) == frozen
+    except (TypeError, ValueError):  # not convertible to the constant's dtype: not equal
+        return False
+
+
+@dataclass(eq=False)
+class Path:
+    signature: tuple
+    trace: Trace
+    units: dict
+    liveouts: set = field(default_factory=set)
+    fetch_points: dict = field(default_factory=dict)   # OutputRef -> earliest after_record
+    outside_reads: set = field(default_factory=set)  # refs read outside coarse units
+    count: int = 0
+    hits: int = 0
+    graph: PathGraph | None = None
+    built_for: tuple = ()
+    view: PythonRunner | None = None
+    snapshot: Snapshot | None = None
+    id: int = 0
+    verified: set = field(default_factory=set)   # units whose feeds were seen identical twice
+
+    @functools.cached_property
+    def static(self) -> StaticValues:
+        return StaticValues(self.trace)
+
+    @functools.cached_property
+    def early_feed(self) -> bool:
+        """The path's first feed comes within its first few ops (then its run starts there)."""
+        return any(isinstance(r, FeedRef) for rec in self.trace.records[:16]
+                   for r in rec.input_refs())
+
+    def usable_units(self) -> dict:
+        return {s: u for s, u in self.units.items() if not u.feeds or s in self.verified}
+
+    def absorb(self, trace: Trace, liveouts, fetches, seen_objects=None) -> None:
+        for u in self.units.values():  # unit feeds must be the very same (cached) tensors
+            if u.start not in self.verified and (self.count and all(
+                    trace.feed_values[sl] is self.trace.feed_values[sl] for sl in u.feeds) or
+                    seen_objects is not None and all(
+                    seen_objects.get(id(trace.feed_values[sl])) is trace.feed_values[sl]
+                    for sl in u.feeds)):
+                self.verified.add(u.start)
+                self.view = None
+        self.count += 1
+        self.liveouts |= set(liveouts)
+        for f in fetches:
+            if f.ref.record < len(self.trace.records):
+                prev = self.fetch_points.get(f.ref)
+                self.fetch_points[f.ref] = f.after_record if prev is None else min(prev, f.after_record)
+                if not f.in_unit:
+                    self.outside_reads.add(f.ref)
+
+    def absorb_fetch(self, ref, after_record: int) -> None:
+        """A value Python read outside units, in an iteration that fell back at that read."""
+        prev = self.fetch_points.get(ref)
+        self.fetch_points[ref] = after_record if prev is None else min(prev, after_record)
+        self.outside_reads.add(ref)
+
+    @property
+    def stale(self) -> bool:
+        return self.graph is None or self.built_for != self.build_key()
+
+    def build_key(self) -> tuple:
+        """What the path's graph depends on beyond its trace."""
+        return (frozenset(self.liveouts), frozenset(self.fetch_points),
+                frozenset(self.outside_reads))
+
+
+@dataclass(eq=False)
+class Site:
+    key: tuple
+    label: str
+    paths: dict = field(default_factory=dict)
+    traces: int = 0
+    fallbacks: int = 0
+    known_fallbacks: int = 0              # rare ones onto a filed path: not held against the site
+    last_fallback: int = 0                # iteration number of the latest fallback
+    eager_reason: str | None = None
+    last_path: Path | None = None
+    prev_path: Path | None = None         # the path the previous iteration ended on
+    successors: dict = field(default_factory=dict)  # path id -> {next path id: count}
+
+    def note_path(self, path) -> None:
+        """The iteration that just ended ran `path`: count it as the previous one's successor."""
+        if self.prev_path is not None:
+            nxt = self.successors.setdefault(self.prev_path.id, {})
+            nxt[path.id] = nxt.get(path.id, 0) + 1
+        self.prev_path = path
+
+    def likely_next(self) -> list:
+        """Path ids in the order the previous path's successors were seen most often."""
+        if self.prev_path is None:
+            return []
+        nxt = self.successors.get(self.prev_path.id, {})
+        return sorted(nxt, key=lambda i: -nxt[i])
+    phase: str = "tracing"
+    seen_objects: dict = field(default_factory=dict)
+    site_graph: SiteGraph | None = None   # one graph for all compiled paths (>= 2 of them)
+    site_graph_failed: tuple | None = None  # SiteGraph.key_of the paths whose lowering failed
+
+
+# A fallback onto a path already filed, after at least this many iterations without one, does
+# not count towards `max_fallbacks` (a fit's or a loop's epoch end: new data iterator, new path).
+KNOWN_FALLBACK_GAP = 8
+
+
+def units_for(trace, units) -> dict:
+    """Copies of the recorded units with the feeds first used inside each (for this trace);
+    units that read a non-tensor feed first inside, or hold a host op, are dropped."""
+    out = {}
+    for start, u in units.items():
+        if any(r.op_type in HOST_OPS for r in trace.records[u.start:u.end]):
+            continue  # skipping the unit whole would skip a host op Python must run
+        feeds = _unit_feeds(trace, u)
+        if feeds is not None:
+            out[start] = GradUnit(u.start, u.end, u.guard, u.result, feeds, u.structure, u.reads)
+    return out
+
+
+def reads_feed_values(units) -> bool:
+    """A unit's Python read a feed's value: the path holds for that value only (it stays a
+    feed, checked before the unit), so the trace is not generalized (generalizing renumbers
+    feed slots and frees constants that were this value)."""
+    return any(isinstance(r, FeedRef) for u in units.values() for r, _ in u.reads)
+
+
+def _unit_feeds(trace, unit):
+    """Slots first used inside `unit` (skip mode puts their recorded objects), or None if one of
+    them is not an EagerTensor (whose identity, hence value, is stable: TF's cached constants)."""
+    # tensors the guard names as feeds (a tf.function's data arguments): the caller feeds them
+    seen = {g.slot for g in unit.guard if isinstance(g, FeedRef)}
+    for rec in trace.records[:unit.start]:
+        seen.update(r.slot for r in rec.input_refs() if isinstance(r, FeedRef))
+    inside = []
+    for rec in trace.records[unit.start:unit.end]:
+        for r in rec.input_refs():
+            if isinstance(r, FeedRef) and r.slot not in seen:
+                if not isinstance(trace.feed_values[r.slot], tfp.EagerTensorBase):
+                    return None
+                seen.add(r.slot)
+                inside.append(r.slot)
+    return tuple(inside)
+
+
+# Ops whose output shape depends on input values: a placeholder would report the traced shape
+# and Python code reading `.shape` could decide differently than eager. Not compiled (yet).
+DATA_DEPENDENT_SHAPE_OPS = frozenset({
+    "Where", "Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2", "DynamicPartition",
+    "ListDiff", "NonMaxSuppressionV3", "NonMaxSuppressionV4", "NonMaxSuppressionV5",
+    "RaggedRange", "StringSplitV2", "SparseFillEmptyRows"})
+
+
+def uncompilable(trace, units=None) -> str | None:
+    bad = sorted({r.op_type for r in trace.records if r.op_type in DATA_DEPENDENT_SHAPE_OPS})
+    if bad:
+        return f"ops with data-dependent output shapes ({', '.join(bad)})"
+    if trace.unsupported:
+        return "; ".join(sorted(set(trace.unsupported))[:3])
+    if trace.unseeded_random:
+        return "stateful random op without a Generator"
+    spans = [(u.start, u.end) for u in (units or {}).values()]
+    if any(r.route == "function" and not any(a <= r.index < b for a, b in spans)
+           for r in trace.records):
+        # only a coarse unit keeps TF from materializing a tf.function's placeholder arguments
+        # and from calling another variant (__forward_ under a tape) than the path recorded
+        return "a tf.function call outside a coarse unit (arguments Terra cannot guard)"
+    if any(f.spec.dtype in ("variant", "resource", "string") for f in trace.feeds):
+        return "a feed of a type channels cannot carry"
+    return unsnapshotable(trace)

@@ -1,0 +1,416 @@
+"""Coarse units: `tape.gradient`, `optimizer.apply_gradients`, Keras layer calls and eager
+`tf.function` calls, each matched as one guarded call (recorded while tracing, skipped whole in
+co-execution). `UNIT_RULES` maps the hook's unit kinds to them."""
+from __future__ import annotations
+
+import contextlib
+
+import tensorflow as tf
+
+from terra import _tf_private as tfp
+from terra.config import CONFIG
+from terra.ir.op_kinds import UNSEEDED_RANDOM_OPS
+from terra.ir.records import FeedRef, VariableRef
+from terra.runtime.placeholders import Placeholder
+from terra.runtime.python_runner import (PAST_END, Diverged, Divergence, GradUnit, placeholder_ref,
+                                         user_line)
+from terra.runtime.sites import DATA_DEPENDENT_SHAPE_OPS
+from terra.tracing import hook
+
+
+def guard_ref(session, it, x):
+    if x is None:
+        return None
+    if it.mode == "skip":
+        r = placeholder_ref(x, it.runner)
+        if r is not None:
+            return r
+        if isinstance(x, Placeholder):
+            x = x._terra_materialize()
+        v = _var_ref(x)
+        if v is not None:
+            return v
+        for slot, oid in it.runner.fed_ids.items():
+            if oid == id(x):
+                return FeedRef(slot)
+        return ("external", id(x))
+    rec = it.recorder
+    r = rec.ref_of(x)
+    if r is not None:
+        return r
+    v = _var_ref(x)
+    if v is not None:
+        return v
+    if isinstance(x, Placeholder):
+        x = x._terra_materialize()
+    e = rec._feeds.get(id(x))
+    if e is not None and e[0] is x:
+        return e[1]
+    return ("external", id(x))
+
+def gradient(session, tape, target, sources, output_gradients, unconnected_gradients):
+    base = tfp.PlainGradientTape.gradient
+    it = session.iteration
+    if it is None or it.mode not in ("skip", "tracing") or tape not in it.tapes or \
+            session.foreign():
+        return base(tape, real_values(target), real_values(sources), real_values(output_gradients),
+                    unconnected_gradients)
+    flat_args = (tf.nest.flatten(target) + ["|"] + tf.nest.flatten(sources) + ["|"] +
+                 tf.nest.flatten(output_gradients) + ["|"] + list(tape._terra_watched))
+    if it.mode == "skip":
+        guard = tuple(a if isinstance(a, str) else guard_ref(session, it, a) for a in flat_args) + \
+            (str(unconnected_gradients), tape._watch_accessed_variables)
+        try:
+            with session.internal():
+                flat = it.runner.gradient_unit(guard)
+                unit = it.runner.last_unit
+            if unit.structure is not None:
+                return tf.nest.pack_sequence_as(unit.structure, flat, expand_composites=True)
+            return tf.nest.pack_sequence_as(sources, flat)
+        except Diverged as d:
+            it.fallback(d.divergence)
+    rec = it.recorder
+    target, sources, output_gradients = (real_values(target), real_values(sources),
+                                         real_values(output_gradients))
+    guard = tuple(a if isinstance(a, str) else guard_ref(session, it, a) for a in flat_args) + \
+        (str(unconnected_gradients), tape._watch_accessed_variables)
+    start = len(rec.trace.records)
+    with _unit_python(rec, tf_constants=True) as reads:
+        result = base(tape, target, sources, output_gradients, unconnected_gradients)
+    end = len(rec.trace.records)
+    with _terra_reads(it):
+        flat = tf.nest.flatten(result, expand_composites=True)
+        composite = len(flat) != len(tf.nest.flatten(result))
+        structure = _shape_of(result) if composite else None
+    refs = []
+    usable = not any(isinstance(g, tuple) for g in guard[:-2] if g is not None)
+    for g in flat:
+        if g is None:
+            refs.append(None)
+            continue
+        r = rec.ref_of(g) if isinstance(g, tfp.EagerTensorBase) else None
+        if r is None:
+            usable = False
+        refs.append(r)
+    if usable and not rec.too_long:
+        rec.units[start] = GradUnit(start, end, guard, tuple(refs),
+                                    structure=structure, reads=tuple(reads))
+    return result
+
+def apply_gradients(session, opt, original, grads_and_vars):
+    """`optimizer.apply_gradients` as one coarse unit (guarded on the optimizer object, its
+    plain Python settings, the gradients' producers and the variables)."""
+    it = session.iteration
+    pairs = list(grads_and_vars)
+    if it is None or it.mode not in ("skip", "tracing") or not getattr(opt, "built", False):
+        return original(opt, pairs)
+    settings = tuple((k, v) for k, v in vars(opt).items()
+                     if isinstance(v, (bool, int, float, str, type(None))))
+    with _terra_reads(it):
+        flat = tf.nest.flatten([g for g, _ in pairs], expand_composites=True) + \
+            ["|"] + [v for _, v in pairs]
+    if it.mode == "skip":
+        guard = (id(opt), settings) + tuple(
+            x if isinstance(x, str) else guard_ref(session, it, x) for x in flat)
+        try:
+            with session.internal():
+                it.runner.gradient_unit(guard)
+            return opt.iterations
+        except Diverged as d:
+            it.fallback(d.divergence)
+    rec = it.recorder
+    with _terra_reads(it):
+        pairs = [(real_values(g), v) for g, v in pairs]
+        flat = [x._terra_materialize() if isinstance(x, Placeholder) else x for x in flat]
+    guard = (id(opt), settings) + tuple(
+        x if isinstance(x, str) else guard_ref(session, it, x) for x in flat)
+    start = len(rec.trace.records)
+    with _unit_python(rec, tf_constants=True) as reads:
+        result = original(opt, pairs)
+    usable = not any(isinstance(g, tuple) for g in guard[2:] if g is not None)
+    if usable and not rec.too_long:
+        rec.units[start] = GradUnit(start, len(rec.trace.records), guard, (),
+                                    reads=tuple(reads))
+    return result
+
+def layer_call(session, layer, original, args, kwargs):
+    """A built-in Keras layer call as one coarse unit (guarded on the layer object, its plain
+    Python settings, the inputs' producers and plain arguments). User-defined layers and
+    models run op by op: their Python may do anything."""
+    it = session.iteration
+    if it is None or it.mode not in ("skip", "tracing") or session._layer_depth or \
+            not getattr(layer, "built", False) or \
+            not type(layer).__module__.startswith(tfp.KERAS_BUILTIN_LAYER_MODULES):
+        return original(layer, *args, **kwargs)
+    settings = tuple((k, v) for k, v in vars(layer).items()
+                     if isinstance(v, (bool, int, float, str, type(None))))
+    flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True)
+
+    def guard_of(x):
+        if isinstance(x, (bool, int, float, str, type(None))):
+            return ("value", x)
+        return guard_ref(session, it, x)
+
+    if it.mode == "skip":
+        unit = it.runner.view.units.get(it.runner.pos)
+        guard = (id(layer), settings) + tuple(guard_of(x) for x in flat)
+        if unit is not None and unit.guard == guard:
+            try:
+                with session.internal():
+                    out = it.runner.gradient_unit(guard)
+                return tf.nest.pack_sequence_as(unit.structure, out, expand_composites=True)
+            except Diverged:  # a value the layer's Python read differs: its ops decide
+                pass
+        session._layer_depth += 1  # no unit here: match the layer's ops one by one
+        try:
+            return original(layer, *args, **kwargs)
+        finally:
+            session._layer_depth -= 1
+    rec = it.recorder
+    guard = (id(layer), settings) + tuple(
+        guard_of(x._terra_materialize() if isinstance(x, Placeholder) else x) for x in flat)
+    start = len(rec.trace.records)
+    session._layer_depth += 1
+    try:
+        with _unit_python(rec) as reads:
+            result = original(layer, *args, **kwargs)
+    finally:
+        session._layer_depth -= 1
+    with _terra_reads(it):
+        outs = tf.nest.flatten(result, expand_composites=True)
+        structure = _shape_of(result)
+    refs = [rec.ref_of(t) if isinstance(t, tfp.EagerTensorBase) else None for t in outs]
+    usable = (not any(isinstance(g, tuple) and g[0] == "external" for g in guard[2:])
+              and all(r is not None for r in refs)
+              and not any(hasattr(t, "_keras_mask") for t in outs)
+              and not rec.too_long and len(rec.trace.records) > start)
+    if usable:
+        rec.units[start] = GradUnit(start, len(rec.trace.records), guard, tuple(refs),
+                                    structure=structure, reads=tuple(reads))
+    return result
+
+def function_call(session, fn, original, args, kwargs):
+    """A `tf.function` call as one coarse unit, guarded on the function object, its plain
+    Python arguments by value, its tensor arguments by producer (or feed slot), and whether a
+    tape may record. Skip mode returns placeholders for the recorded outputs without calling
+    TF (which would materialize placeholder arguments, and under a tape call `__forward_f`
+    where the path may say otherwise); another guard diverges cleanly before the call."""
+    it = session.iteration
+    if it is None or session._depth or hook.active() is None or not tf.executing_eagerly() \
+            or tfp.function_runs_eagerly(fn):  # Terra's own calls, graphs, eager debugging
+        return original(fn, *args, **kwargs)
+    flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True)
+    if it.mode == "skip" and it.runner.skipping:
+        runner = it.runner
+        mark = len(runner.fed_order)
+        try:
+            with session.internal():
+                guard = _function_guard(session, it, fn, flat)
+                name = getattr(fn, "__name__", "?")
+                out = runner.gradient_unit(guard, f"call of tf.function {name}")
+                unit = runner.last_unit
+            return tf.nest.pack_sequence_as(unit.structure, out, expand_composites=True)
+        except Diverged as d:
+            runner._rollback(mark)
+            if runner.pos >= runner.view.n and not it.extended_elsewhere():  # the loop is over
+                with session.internal():
+                    it.finish_past_end(_with_reason(d.divergence, PAST_END))
+                return original(fn, *real_values(args), **real_values(kwargs))
+            it.fallback(d.divergence)
+    if it.mode != "tracing" or it.recorder is None or not it.recorder.recording or \
+            it.recorder.in_unit:
+        return original(fn, *args, **kwargs)
+    rec = it.recorder
+    if any(isinstance(x, Placeholder) for x in flat):  # bound after a fallback: tapes
+        args, kwargs = real_values(args), real_values(kwargs)      # watch their values, not them
+        flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True)
+    start = len(rec.trace.records)
+    result = original(fn, *args, **kwargs)
+    end = len(rec.trace.records)
+    guard = _function_guard(session, it, fn, flat)  # after the call: data arguments are feeds now
+    with _terra_reads(it):
+        outs = tf.nest.flatten(result, expand_composites=True)
+        structure = _shape_of(result)
+    refs = [rec.ref_of(t) if isinstance(t, tfp.EagerTensorBase) else None for t in outs]
+    usable = (end > start and not rec.too_long
+              and not any(isinstance(g, tuple) and g[0] == "external" for g in guard[2:])
+              and all(r is not None or t is None for r, t in zip(refs, outs)))
+    for r in rec.trace.records[start:end]:
+        if r.route == "function":
+            _check_function_body(session, rec.trace, r)
+        if r.route == "function" and r.function.startswith("__forward_"):
+            wrapped = session._tape_functions.get(r.function)
+            if wrapped is None:
+                functions = tfp.tape_functions_of(fn, r.function)
+                if functions is None:
+                    usable = False  # a fallback's replay could not record its gradient
+                    continue
+                wrapped = session._tape_functions[r.function] = tfp.TapeRecordedFunction(
+                    rec.trace.functions[r.function], functions)
+            for ref in r.inputs:
+                var = rec.trace.variables.get(ref.key) if isinstance(ref, VariableRef) \
+                    else None
+                if isinstance(var, tfp.BaseResourceVariable):
+                    wrapped.add_variable(var)
+            rec.trace.functions[r.function] = wrapped
+    if usable:
+        rec.units[start] = GradUnit(start, end, guard, tuple(refs), structure=structure)
+    return result
+
+def _check_function_body(session, trace, r) -> None:
+    """What the function record `r` hides: a stateful random op (a replayed graph instantiates
+    its kernels anew and draws another sequence than eager) or, with an output whose shape
+    is not static, an op whose output shape depends on data (placeholders would report the
+    traced shape)."""
+    atomic = trace.functions.get(r.function)
+    atomic = getattr(atomic, "atomic", atomic)
+    if atomic is None:
+        return
+    body = session._function_ops.get(r.function)
+    if body is None:
+        body = session._function_ops[r.function] = (tfp.function_op_types(atomic),
+                                                 tfp.function_outputs_static(atomic))
+    types, static = body
+    if types & UNSEEDED_RANDOM_OPS:
+        trace.unseeded_random.append(r.index)
+    if types & DATA_DEPENDENT_SHAPE_OPS and not static:
+        trace.unsupported.append(f"{r.function}: ops with data-dependent output shapes")
+
+def _function_guard(session, it, fn, flat) -> tuple:
+    """(fn, tape may record, one entry per flat argument). In skip mode a tensor argument
+    that the unit at the runner's position first feeds is fed here (data passed straight to
+    the function)."""
+    unit = it.runner.view.units.get(it.runner.pos) if it.mode == "skip" else None
+    want = unit.guard if unit is not None and len(unit.guard) == len(flat) + 2 and \
+        unit.guard[0] is fn else None
+    out = [fn, tfp.could_possibly_record()]
+    for i, x in enumerate(flat):
+        if want is not None and isinstance(x, Placeholder) and \
+                placeholder_ref(x, it.runner) is None:
+            x = x._terra_materialize()  # an earlier iteration's value: external data now
+        if isinstance(x, (bool, int, float, str, bytes, type(None))):
+            out.append(("value", type(x).__name__, x))
+            continue
+        if not isinstance(x, (tfp.Tensor, tfp.BaseResourceVariable)) and \
+                _var_ref(x) is None:
+            out.append(("external", type(x).__name__))
+            continue
+        g = guard_ref(session, it, x)
+        if isinstance(g, tuple) and want is not None and isinstance(want[i + 2], FeedRef) \
+                and isinstance(x, tfp.EagerTensorBase) and want[i + 2].slot not in \
+                it.runner.fed:
+            it.runner._feed(want[i + 2].slot, x, x)
+            g = want[i + 2]
+        out.append(g)
+    return tuple(out)
+
+def force_eager(session, what: str) -> None:
+    """Something Terra does not compile (e.g. tape.jacobian): run it eagerly, untraced."""
+    it = session.iteration
+    if it is None or session.foreign():
+        return
+    if it.mode == "skip":
+        it.fallback(Divergence(user_line(), "a compiled op", what, it.runner.pos,
+                               f"{what} runs eagerly"))
+    if it.mode == "tracing":
+        it.recorder.trace.unsupported.append(f"{what} is not compiled")
+
+
+def router(session):
+    """The hook's unit router for `session` (terra/tracing/hook.py, `route_units`): a coarse
+    unit's call goes to its rule while an iteration runs on the session's thread; otherwise it
+    runs unchanged."""
+    def route(kind, original, obj, args, kwargs):
+        if session.foreign() or session.iteration is None or not CONFIG.enabled:
+            return original(obj, *args, **kwargs)
+        return UNIT_RULES[kind](session, obj, original, args, kwargs)
+    return route
+
+
+def _apply_gradients_rule(session, opt, original, args, kwargs):
+    return apply_gradients(session, opt, original, *args, **kwargs)
+
+
+def _layer_rule(session, layer, original, args, kwargs):
+    if not CONFIG.layer_units:
+        return original(layer, *args, **kwargs)
+    return layer_call(session, layer, original, args, kwargs)
+
+
+def _function_rule(session, fn, original, args, kwargs):
+    return function_call(session, fn, original, args, kwargs)
+
+
+# kind (terra/tracing/hook.py's unit patches) -> the rule that guards, records or skips the
+# call as one unit (`tape.gradient` comes from the Terra tape itself: `gradient` above)
+UNIT_RULES = {"apply_gradients": _apply_gradients_rule, "layer": _layer_rule,
+              "function": _function_rule}
+
+
+def _with_reason(d: Divergence, reason: str) -> Divergence:
+    return Divergence(d.location, d.expected, d.observed, d.position, reason)
+
+
+@contextlib.contextmanager
+def _unit_python(rec, tf_constants=False):
+    """While the Python of a coarse unit runs under `rec` (tracing): its reads are marked
+    `Fetch.in_unit`; with `tf_constants` (tape.gradient, apply_gradients), NumPy values it
+    makes are TF's own constants (`ContinuingRecorder._ref`). Yields the list of (ref, value)
+    the unit's Python reads (`GradUnit.reads`)."""
+    rec.unit_depth += 1
+    if tf_constants:
+        rec.in_unit = True
+    outer, reads = rec.unit_reads, []
+    rec.unit_reads = reads
+    try:
+        yield reads
+    finally:
+        rec.unit_depth -= 1
+        rec.unit_reads = outer
+        if outer is not None:
+            outer.extend(reads)  # an enclosing unit depends on them too
+        if tf_constants:
+            rec.in_unit = False
+
+
+@contextlib.contextmanager
+def _terra_reads(it):
+    """Values Terra reads while tracing are not the program's fetches (a composite's type spec,
+    for one, reads its dense shape)."""
+    rec = it.recorder if it.mode == "tracing" else None
+    if rec is None:
+        yield
+        return
+    rec.muted += 1
+    try:
+        yield
+    finally:
+        rec.muted -= 1
+
+
+def _shape_of(result):
+    """`result` with every tensor (composites too) replaced by its TypeSpec: what a unit needs
+    to pack placeholders back into the result's structure (`tf.nest.pack_sequence_as(...,
+    expand_composites=True)`) without holding the traced tensors, which would pass for values
+    the program keeps (`held_refs`) and be fetched, unread, every iteration."""
+    return tf.nest.map_structure(
+        lambda x: tf.type_spec_from_value(x)
+        if isinstance(x, (tf.Tensor, tf.__internal__.CompositeTensor)) else x, result)
+
+
+def real_values(structure):
+    """`structure` with placeholders replaced by their values (the tape knows only those)."""
+    if structure is None:
+        return None
+    return tf.nest.map_structure(
+        lambda x: x._terra_materialize() if isinstance(x, Placeholder) else x, structure,
+        expand_composites=True)
+
+
+def _var_ref(x):
+    if isinstance(x, tfp.EagerTensorBase) or x is None:
+        return None
+    h = getattr(x, "handle", None)
+    if isinstance(h, tfp.EagerTensorBase):
+        return VariableRef(id(h))
+    return None
