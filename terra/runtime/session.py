@@ -36,8 +36,10 @@ from terra.runtime import units as unit_rules
 from terra.runtime import explain
 from terra.runtime.explain import Event
 from terra.runtime.fallback import ContinuingRecorder, EagerReplay, Snapshot, written_variables
+from terra.runtime.held import held_refs
 from terra.runtime.interrupts import held_interrupts
-from terra.runtime.iteration import FAILED, Iteration, held_refs, set_active, with_location
+from terra.runtime.iteration import Iteration, with_location
+from terra.runtime.iteration_end import FAILED
 from terra.runtime.path_graph import ConfiguredRunner, PathGraph
 from terra.runtime.python_runner import Divergence, PathView, PythonRunner, user_line
 from terra.runtime.site_graph import SiteGraph
@@ -84,13 +86,13 @@ class Session:
         """Run Terra's own TF calls without interception; afterwards route ops to whatever the
         current iteration needs (it may have changed inside)."""
         self._depth += 1
-        set_active(None)
+        hook.set_active(None)
         try:
             yield
         finally:
             self._depth -= 1
             if not self._depth:
-                set_active(self._interceptor())
+                hook.set_active(self._interceptor())
 
     def _interceptor(self):
         it = self.iteration
@@ -266,7 +268,7 @@ class Session:
 
     def _begin(self, site, frame, tape) -> None:
         self._ensure_hook()
-        set_active(None)
+        hook.set_active(None)
         if self.pending and (site.eager_reason is not None or self._predict(site) is None):
             with held_interrupts():  # ops of this iteration run eagerly: earlier runs end first
                 self.collect_pending()
@@ -290,7 +292,7 @@ class Session:
             if CONFIG.coexecution and (it.site_run is not None or not path.early_feed):
                 it.start_graph()  # else at the first feed: a feed of another signature (the
                 # next batch has another shape) then switches paths without a run to cancel
-            set_active(it.runner)
+            hook.set_active(it.runner)
             return
         site.phase = "tracing"
         it.mode = "tracing"
@@ -479,7 +481,7 @@ class Session:
         finally:
             self.iteration = None
             self.owner = None
-            set_active(None)
+            hook.set_active(None)
 
     def stats(self) -> dict:
         it = self.iteration

@@ -337,6 +337,11 @@ def activate(interceptor: Interceptor) -> tuple:
     return token
 
 
+def set_active(interceptor: "Interceptor | None") -> None:
+    """Route the calling thread's ops to `interceptor` (None: nobody)."""
+    deactivate((interceptor, _get_ident() if interceptor is not None else None))
+
+
 def deactivate(token: tuple) -> None:
     global _active, _thread
     _active, _thread = token

@@ -362,7 +362,7 @@ def test_a_placeholder_referenced_only_by_an_unheld_one_is_not_kept():
     count as kept only while the output is (before, any reference counted, and an iteration
     whose gate nothing held fell back with "value kept past the iteration")."""
     from terra.runtime.placeholders import ConstantResolver, Placeholder
-    from terra.runtime.iteration import kept_unresolved
+    from terra.runtime.held import kept_unresolved
 
     def ph():
         return Placeholder.create(tf.float32, [], ConstantResolver(1.0))
