@@ -393,7 +393,7 @@ def pause_tape(gradient_tape) -> None:
     gradient_tape._pop_tape()
 
 
-# ---- co-execution: tf.function calls as coarse units (terra/runtime/session.py) ----------------
+# ---- co-execution: tf.function calls as coarse units (terra/runtime/units.py) ------------------
 # Checked by tests/test_tf_private_function_units.py.
 # A `tf.function` call is skipped as a whole in co-execution (TF never sees placeholder
 # arguments, and whether TF calls `__inference_f` or, under a tape, `__forward_f` stops mattering).

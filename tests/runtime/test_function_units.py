@@ -1,4 +1,4 @@
-"""`tf.function` calls inside a co-executed iteration are coarse units (terra/runtime/session.py).
+"""`tf.function` calls inside a co-executed iteration are coarse units (terra/runtime/units.py).
 
 Each program is run eagerly and under Terra (tests/e2e/harness.py): per-step losses and final
 variables must agree, graphs must really run, and traces and fallbacks stay few. The programs
