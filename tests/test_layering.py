@@ -62,3 +62,17 @@ def test_private_tf_and_keras_apis_only_in_tf_private():
             if module.startswith(("tensorflow.python", "tensorflow._api", "keras.src")):
                 bad.append(f"{rel}: {module}")
     assert not bad, "\n".join(bad)
+
+
+def test_the_iteration_never_asks_which_graph_it_runs():
+    """The iteration and the session talk to an Executable (terra/runtime/executable.py); no
+    branch on whether it is a path's graph or the site's."""
+    bad = []
+    for name in ("iteration.py", "iteration_end.py", "session.py", "units.py"):
+        with open(os.path.join(ROOT, "runtime", name), encoding="utf-8") as f:
+            src = f.read()
+        for needle in ("site_run", "isinstance(self.exe", "isinstance(it.exe",
+                       "SiteRun)", "PathRun)"):
+            if needle in src:
+                bad.append(f"{name}: {needle}")
+    assert not bad, bad

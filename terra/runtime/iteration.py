@@ -13,11 +13,11 @@ from terra.config import CONFIG
 from terra.errors import TerraRuntimeError
 from terra.ir.records import FeedRef, OutputRef
 from terra.runtime.fallback import ContinuingRecorder, EagerReplay, Snapshot, bind_placeholders
+from terra.runtime.executable import Executable, PathRun
 from terra.runtime.graph_runner import extended_error
 from terra.runtime.iteration_end import IterationEnd
 from terra.runtime.placeholders import Placeholder
 from terra.runtime.python_runner import UNSET, Divergence, PythonRunner, placeholder_ref, user_line
-from terra.runtime.site_graph import SiteRun
 from terra.tracing import hook
 
 
@@ -49,7 +49,7 @@ class Iteration(IterationEnd):
         self.stall = 0.0
         self.replayed: dict = {}
         self.pending = False   # finished, its graph run not yet collected (pipelined)
-        self.site_run: SiteRun | None = None   # set when the iteration drives the site's SiteGraph
+        self.exe: Executable | None = None   # the run of the compiled graph, in skip mode
 
     def release(self) -> None:
         """Drop what a finished, collected iteration no longer needs; its values resolve from
@@ -58,39 +58,23 @@ class Iteration(IterationEnd):
         garbage, freed only by a full collection, which CPython runs rarely in a process holding
         TF's many long-lived objects: memory grew by every run's outputs and variable snapshot
         (0.4 GB per ResNet-50 step)."""
-        self.run = self.snap = self.runner = self.site_run = None
+        self.run = self.snap = self.runner = self.exe = None
 
     # ---------------------------------------------------------------- graph of the iteration
     def graph(self):
-        """The graph this iteration runs: the site's SiteGraph or its path's PathGraph."""
-        return self.site_run.graph if self.site_run is not None else self.path.graph
+        """The graph this iteration runs (its path's, or the site's)."""
+        return self.exe.graph
 
     def snapshot(self) -> Snapshot:
-        return self.site_run.graph.snapshot if self.site_run is not None else self.path.snapshot
+        return self.exe.snapshot
 
     def liveouts(self):
-        return self.site_run.plan.liveouts if self.site_run is not None else \
-            self.path.graph.liveouts
+        return self.exe.liveouts
 
-    def use_site_graph(self, graph, plan) -> None:
-        """Drive SiteGraph `graph` along `plan` (None: the path's own PathGraph)."""
-        runner = self.runner
-        if plan is None:
-            self.site_run = None
-            runner.advance = None
-            return
-        self.site_run = SiteRun(graph, plan, runner)
-        runner.advance = self.site_run.advance
-
-    def collect_outputs(self, fetch) -> dict:
-        """Live-out values of a finished site-graph run (taken from their fetch channels)."""
-        sr = self.site_run
-        out = {}
-        for ref in sr.plan.liveouts:
-            if sr.fetchable(ref):
-                out[ref] = sr.fetch(fetch, ref, CONFIG.timeout_s)
-        sr.leave_unread()
-        return out
+    def use(self, exe: Executable) -> None:
+        """Run on `exe` from now on (terra/runtime/executable.py)."""
+        self.exe = exe
+        self.runner.advance = exe.advance
 
     # ---------------------------------------------------------------- co-execution
     def position(self) -> int:
@@ -119,11 +103,7 @@ class Iteration(IterationEnd):
         return False
 
     def put_feed(self, slot, value) -> None:
-        if self.site_run is not None:  # put by the plan's events (runner.advance)
-            return
-        ch = self.path.graph.feed_channels[slot]
-        ch.put(value._terra_materialize() if isinstance(value, Placeholder) else value)
-        if CONFIG.coexecution:
+        if self.exe.put_feed(slot, value) and CONFIG.coexecution:
             self.start_graph()  # (a no-op once started) after the put: no blocked dequeue
 
     def run_failed(self) -> bool:
@@ -142,10 +122,9 @@ class Iteration(IterationEnd):
         if eager_next or self.run is not None or self.runner is not None and self.runner.fed:
             s.collect_pending(convert=False)
         if self.run is None:
-            if self.mode == "skip" and self.runner is not None and (
-                    self.runner.fed or self.site_run is not None and self.site_run.done):
-                # lazy mode: nothing ran, but what Python put is queued (on a site graph the
-                # next path would dequeue it)
+            if self.mode == "skip" and self.runner is not None and \
+                    self.exe.queued(self.runner):
+                # lazy mode: nothing ran, but what Python put is queued
                 self.graph().drain()
             return
         if not self.run.done:
@@ -186,22 +165,12 @@ class Iteration(IterationEnd):
             if self.mode == "skip" and s.pending:
                 s.collect_pending()  # our run comes after theirs anyway; may fall back
             if self.mode == "skip":
-                sr = self.site_run
-                if sr is not None:
-                    ch = sr.fetchable(ref) or None
-                else:
-                    graph = self.path.graph
-                    ch = graph.fetch_channels.get(ref)
-                if ch is not None and ref not in self.fetched:
+                exe = self.exe
+                if exe.fetchable(ref) and ref not in self.fetched:
                     self.start_graph()
                     t = time.perf_counter()
                     try:
-                        if sr is not None:
-                            v = sr.fetch(s.runner.fetch, ref, CONFIG.timeout_s)
-                        else:
-                            for _ in range(graph.stale.pop(ref, 0)):  # earlier runs' unread
-                                s.runner.fetch(ch, timeout=CONFIG.timeout_s)
-                            v = s.runner.fetch(ch, timeout=CONFIG.timeout_s)
+                        v = exe.fetch(s.runner.fetch, ref, CONFIG.timeout_s)
                     except tf.errors.OpError:
                         v = None
                     finally:
@@ -216,7 +185,7 @@ class Iteration(IterationEnd):
                                              self.runner.pos, "graph error"))
                 else:
                     self.runner.log_fetch(ref)  # the next graph fetches it
-                    if sr is None and ref.record < len(self.path.trace.records):
+                    if exe.learns_fetches and ref.record < len(self.path.trace.records):
                         # this path's next build fetches it too: a value Python read once
                         # (every tenth step, say) is read again, and then needs no fallback
                         self.path.absorb_fetch(ref, self.runner.pos)
@@ -225,8 +194,7 @@ class Iteration(IterationEnd):
                                              "graph does not fetch"))
                 return self.replayed[(ref.record, ref.index)]
             if self.pending:
-                v = self._early_liveout(ref) if self.site_run is None else \
-                    self._early_site_liveout(ref)
+                v = self._early_liveout(ref)
                 if v is not None:
                     return v
                 s.collect_pending()
@@ -254,50 +222,24 @@ class Iteration(IterationEnd):
         v = self.path.static.get(ref)
         if v is not None:
             return np.asarray(v)
-        sr = self.site_run
-        fetchable = sr.fetchable(ref) if sr is not None else \
-            ref in self.path.graph.fetch_channels
-        if not fetchable or ref in self.fetched:
+        if not self.exe.fetchable(ref) or ref in self.fetched:
             return None
         return runner._placeholder(self.path.trace.records[ref.record], ref.index).numpy()
-
-    def _early_site_liveout(self, ref):
-        """`_early_liveout` on a SiteGraph: this iteration's elements precede those of later
-        runs in the channel, and what it takes now is counted for its collection."""
-        sr, s = self.site_run, self.session
-        if ref not in sr.plan.liveouts or not sr.fetchable(ref):
-            return None
-        t = time.perf_counter()
-        try:
-            v = sr.fetch(s.runner.fetch, ref, CONFIG.timeout_s)
-        except tf.errors.OpError:
-            return None  # its run failed: collecting it reports the error
-        finally:
-            s.python_stall_s += time.perf_counter() - t
-        self.outputs[ref] = v
-        return v
 
     def _early_liveout(self, ref):
         """A value this finished iteration left to the program, read from its fetch channel
         while its run may still be going (None: not there any more; wait for the run)."""
-        graph = self.path.graph
-        ch = graph.fetch_channels.get(ref)
-        v = self.outputs.get(ref)
-        if v is not None or ch is None or ref in self.fetched or not graph.stale.get(ref):
-            return v
         s = self.session
         t = time.perf_counter()
         try:
-            for _ in range(graph.stale[ref] - 1):  # older iterations' unread values
-                s.runner.fetch(ch, timeout=CONFIG.timeout_s)
-            v = s.runner.fetch(ch, timeout=CONFIG.timeout_s)
+            v = self.exe.early_liveout(ref, self.fetched, self.outputs, s.runner.fetch,
+                                       CONFIG.timeout_s)
         except tf.errors.OpError:
             return None  # its run failed: collecting it reports the error
         finally:
             s.python_stall_s += time.perf_counter() - t
-        graph.stale[ref] = 0
-        self.fetched.add(ref)
-        self.outputs[ref] = v
+        if v is not None:
+            self.outputs[ref] = v
         return v
 
     def switch(self, d: Divergence, at_end: bool = False, tried=None, accepts=None) -> bool:
@@ -332,22 +274,16 @@ class Iteration(IterationEnd):
             if accepts is not None and not accepts(q):
                 continue
             candidates.append(q)
-        sr = self.site_run
-        if sr is not None:
-            sg = sr.graph
-            for q in candidates:
-                plan = sg.plan_of(q)
-                if plan is not None and sr.done == sr.plan.count_before(pos) and \
-                        sr.plan.agrees(plan, pos):
-                    tried.add(id(q))
-                    sr.plan = plan
-                    self.path = q
-                    runner.view = q.view
-                    s = self.session
-                    s.case_switches += 1
-                    s._event("case_switch", self.site, self.number, f"p{cur.id} -> p{q.id} at "
-                             f"op #{pos} in the site graph: {d.reason}", d.location)
-                    return True
+        for q in candidates:
+            if self.exe.seamless_switch(q, pos):
+                tried.add(id(q))
+                self.path = q
+                runner.view = q.view
+                s = self.session
+                s.case_switches += 1
+                s._event("case_switch", self.site, self.number, f"p{cur.id} -> p{q.id} at "
+                         f"op #{pos} in the site graph: {d.reason}", d.location)
+                return True
         for q in candidates:
             tried.add(id(q))
             s = self.session
@@ -358,16 +294,10 @@ class Iteration(IterationEnd):
                 self.run = None
                 self.path = q
                 runner.view = q.view
-                sg = sr.graph if sr is not None else None
-                self.use_site_graph(sg, sg.plan_of(q) if sg is not None else None)
-                if self.site_run is not None:
-                    self.site_run.advance(pos)
-                else:
-                    for slot in runner.fed_order:
-                        self.put_feed(slot, runner.fed[slot])
+                self.use(self.exe.on_path(q, runner))
+                self.exe.replay_puts(runner, pos, self.put_feed)
                 self.fetched = set()
-                if CONFIG.coexecution and (self.site_run is not None or runner.fed_order or
-                                           not q.early_feed):
+                if CONFIG.coexecution and (self.exe.starts_early() or runner.fed_order):
                     self.start_graph()
             s.switches += 1
             s._event("switch", self.site, self.number, f"p{cur.id} -> p{q.id} at op #{pos}: "
@@ -383,7 +313,7 @@ class Iteration(IterationEnd):
         s.count_fallback(self, d)
         with s.internal():
             self.abandon_run()
-            self.use_site_graph(None, None)
+            self.use(PathRun(self.path))
             self.mode = "done"  # until the replay succeeded
             watches: dict = {}
             pre_watch: dict = {}

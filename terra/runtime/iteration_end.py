@@ -78,7 +78,7 @@ class IterationEnd:
         iteration between steps), and every op left is pure: no state, no randomness, no function
         call. Then the path's graph may compute them anyway: nothing the program holds comes
         from them, and they change nothing."""
-        if self.site_run is not None or self.runner.pos == 0:
+        if not self.exe.allows_pure_tail or self.runner.pos == 0:
             return False
         for rec in self.path.view.records[self.runner.pos:]:
             op_def = tfp.get_op_def(rec.op_type) if rec.route != "function" else None
@@ -107,14 +107,12 @@ class IterationEnd:
             s.collect_pending()  # at most one iteration in flight; may fall back (and raise)
             if self.mode != "skip":
                 return
-        sr = self.site_run
-        if sr is not None:
-            with s.internal():
-                ended = sr.finish()  # the choices known only at the end
-            if not ended:
-                self.fallback(Divergence(user_line(), "every feed put", "a feed never supplied",
-                                         self.runner.pos, "iteration ended before a feed"))
-                return
+        with s.internal():
+            ended = self.exe.finish()  # the choices known only at the end
+        if not ended:
+            self.fallback(Divergence(user_line(), "every feed put", "a feed never supplied",
+                                     self.runner.pos, "iteration ended before a feed"))
+            return
         if CONFIG.coexecution and CONFIG.overlap_iterations:
             with s.internal():
                 self.start_graph()
@@ -124,8 +122,7 @@ class IterationEnd:
                                          f"%{missing[0].record} kept by the program",
                                          self.runner.pos, "value kept past the iteration"))
                 return
-            if sr is None:
-                self.path.graph.leave_unread(self.fetched)
+            self.exe.leave_unread(self.fetched)
             self.runner.placeholders = {}
             self.pending = True
             s.pending.append(self)
@@ -146,16 +143,12 @@ class IterationEnd:
                 self.fallback(Divergence(user_line(), "a value", "a graph error",
                                          self.runner.pos, "graph error"))
                 return
-            if sr is not None:
-                try:
-                    self.outputs = self.collect_outputs(s.runner.fetch)
-                except tf.errors.OpError:  # the run finished: an element missing is a bug
-                    raise TerraRuntimeError("terra: a finished site-graph run did not fetch "
-                                            "every live-out value") from None
-                sr.graph.drain()
-            else:
-                self.outputs = dict(zip(self.path.graph.liveouts, outs))
-                self.path.graph.drain(self.fetched)
+            try:
+                self.outputs = self.exe.outputs(outs, s.runner.fetch)
+            except tf.errors.OpError:  # the run finished: an element missing is a bug
+                raise TerraRuntimeError("terra: a finished site-graph run did not fetch "
+                                        "every live-out value") from None
+            self.exe.drain_finished(self.fetched)
             missing = kept_unresolved(self.runner.placeholders, self.outputs)
             if missing:
                 self.fallback(Divergence(user_line(), "values kept by the graph",

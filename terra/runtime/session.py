@@ -42,7 +42,8 @@ from terra.runtime.iteration import Iteration, with_location
 from terra.runtime.iteration_end import FAILED
 from terra.runtime.path_graph import ConfiguredRunner, PathGraph
 from terra.runtime.python_runner import Divergence, PathView, PythonRunner, user_line
-from terra.runtime.site_graph import SiteGraph
+from terra.runtime.executable import PathRun
+from terra.runtime.site_graph import SiteGraph, SiteRun
 from terra.runtime.sites import (KNOWN_FALLBACK_GAP, Path, Site, generalize, path_signature,
                                  reads_feed_values, uncompilable, units_for)
 from terra.tracing import hook
@@ -106,8 +107,8 @@ class Session:
 
     def _error_context(self, index):
         it = self.iteration
-        if it is not None and it.site_run is not None:  # site-graph ops are named by node id
-            index = it.site_run.plan.first_record.get(index)
+        if it is not None and it.exe is not None:
+            index = it.exe.record_of(index)
             if index is None:
                 return None
         if it is None or it.path is None or index >= len(it.path.trace.records):
@@ -204,10 +205,7 @@ class Session:
             it.pending = False
         if outs is not FAILED:
             with self.internal():
-                if it.site_run is not None:
-                    it.outputs = it.collect_outputs(self.runner.fetch)
-                else:
-                    it.outputs = dict(zip(it.path.graph.liveouts, outs))
+                it.outputs = it.exe.outputs(outs, self.runner.fetch)
                 it.graph().drop_stale()
             it.release()
             return
@@ -287,11 +285,10 @@ class Session:
             it.path = path
             it.runner = PythonRunner(it, path.view)
             sg = site.site_graph
-            if sg is not None and CONFIG.site_graph:
-                it.use_site_graph(sg, sg.plan_of(path))
-            if CONFIG.coexecution and (it.site_run is not None or not path.early_feed):
-                it.start_graph()  # else at the first feed: a feed of another signature (the
-                # next batch has another shape) then switches paths without a run to cancel
+            plan = sg.plan_of(path) if sg is not None and CONFIG.site_graph else None
+            it.use(SiteRun(sg, plan, it.runner) if plan is not None else PathRun(path))
+            if CONFIG.coexecution and it.exe.starts_early():
+                it.start_graph()
             hook.set_active(it.runner)
             return
         site.phase = "tracing"

@@ -32,6 +32,8 @@ from terra.compiler.lower import lower
 from terra.compiler.merge import merge
 from terra.ir.records import Fetch, Trace
 from terra.compiler.channels import drop_elements
+from terra.config import CONFIG
+from terra.runtime.executable import Executable, PathRun
 from terra.runtime.fallback import Snapshot, written_variables
 from terra.runtime.placeholders import Placeholder
 
@@ -176,18 +178,70 @@ class SiteGraph:
                 f"{len(self.lowered.loop_conds)} loop conds, {len(self.lowered.fetches)} fetches")
 
 
-class SiteRun:
-    """One iteration's Python side on a SiteGraph: events performed, elements taken."""
-
-    __slots__ = ("graph", "plan", "runner", "done", "taken", "values")
+class SiteRun(Executable):
+    """One iteration's Python side on a SiteGraph: events performed, elements taken (an
+    `Executable`, terra/runtime/executable.py)."""
 
     def __init__(self, graph: SiteGraph, plan: SitePlan, runner):
         self.graph, self.plan, self.runner = graph, plan, runner
         self.done = 0          # events of `plan` performed
         self.taken: dict = {}  # fetch key -> elements taken this iteration
         self.values: dict = {}  # (fetch key, visit) -> value taken
+        self.advance = self._advance
 
-    def advance(self, pos: int) -> bool:
+    @property
+    def snapshot(self):
+        return self.graph.snapshot
+
+    @property
+    def liveouts(self):
+        return self.plan.liveouts
+
+    def put_feed(self, slot, value) -> bool:
+        return False  # put by the plan's events (`advance`)
+
+    def queued(self, runner) -> bool:
+        # lazy mode: nothing ran, but what Python put is queued (the next path would dequeue it)
+        return bool(runner.fed) or bool(self.done)
+
+    def starts_early(self) -> bool:
+        return True
+
+    def early_liveout(self, ref, fetched, outputs, fetch, timeout):
+        """This iteration's elements precede those of later runs in the channel, and what it
+        takes now is counted for its collection."""
+        if ref not in self.plan.liveouts or not self.fetchable(ref):
+            return None
+        return self.fetch(fetch, ref, timeout)
+
+    def seamless_switch(self, path, pos) -> bool:
+        plan = self.graph.plan_of(path)
+        if plan is not None and self.done == self.plan.count_before(pos) and \
+                self.plan.agrees(plan, pos):
+            self.plan = plan
+            return True
+        return False
+
+    def on_path(self, path, runner) -> Executable:
+        plan = self.graph.plan_of(path)
+        return SiteRun(self.graph, plan, runner) if plan is not None else PathRun(path)
+
+    def replay_puts(self, runner, pos, put_feed) -> None:
+        self.advance(pos)
+
+    def outputs(self, result, fetch) -> dict:
+        """Live-out values of a finished run (taken from their fetch channels)."""
+        out = {}
+        for ref in self.plan.liveouts:
+            if self.fetchable(ref):
+                out[ref] = self.fetch(fetch, ref, CONFIG.timeout_s)
+        self.leave_unread_plan()
+        return out
+
+    def record_of(self, index):
+        return self.plan.first_record.get(index)  # site-graph ops are named by node id
+
+    def _advance(self, pos: int) -> bool:
         """Perform the events Python knows once records [0, pos) are matched. False if a feed
         slot's value is not known yet (the event waits for the next call)."""
         actions, i, fed = self.plan.actions, self.done, self.runner.fed
@@ -210,7 +264,7 @@ class SiteRun:
 
     def finish(self) -> bool:
         """Perform the events at the end of the iteration; False if some could not be."""
-        return self.advance(self.plan.n + 1) and self.done == len(self.plan.actions)
+        return self._advance(self.plan.n + 1) and self.done == len(self.plan.actions)
 
     def fetchable(self, ref) -> bool:
         return (ref.record, ref.index) in self.plan.where
@@ -232,7 +286,7 @@ class SiteRun:
             self.taken[key] = taken
         return self.values[(key, visit)]
 
-    def leave_unread(self) -> None:
+    def leave_unread_plan(self) -> None:
         """The run enqueues one element per visit: what this iteration did not take is skipped
         by the next reader of the channel."""
         stale = self.graph.stale

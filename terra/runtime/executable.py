@@ -1,0 +1,165 @@
+"""What an iteration needs from the compiled graph it runs on, whichever graph that is.
+
+An `Executable` is one iteration's run of one graph: the graph to start, the variables it may
+write, the values it hands back, how Python puts a feed and takes a fetch, how the run is moved
+to another path after a divergence, and how its end is collected. Two implementations:
+
+- `PathRun`: the path's own straight-line graph (terra/runtime/path_graph.py). Python puts every
+  feed on its channel; a fetch channel per read value; values Python did not read are left for
+  the next reader.
+- `SiteRun` (terra/runtime/site_graph.py): the site's lowered graph, driven along the path's plan
+  (Case-Select and Loop-Cond puts); a divergence to a path whose plan agrees so far is taken
+  without touching the run.
+
+The iteration (terra/runtime/iteration.py) holds one and never asks which it is.
+"""
+from __future__ import annotations
+
+from terra.runtime.placeholders import Placeholder
+
+
+class Executable:
+    """The protocol (see the module docstring); `SiteRun` and `PathRun` implement it."""
+
+    graph = None            # what the GraphRunner runs: `.concrete`, `.run_config`, `.drain()`
+    advance = None          # runner.advance: puts Python knows once records [0, pos) matched
+    learns_fetches = False  # a value read where this graph does not fetch it: fetch next build
+    allows_pure_tail = False  # may end before its path's end when the ops left are pure
+
+    @property
+    def snapshot(self):
+        """The variables the graph may write (a fallback restores them)."""
+        raise NotImplementedError
+
+    @property
+    def liveouts(self):
+        """Refs the run hands back when it ends."""
+        raise NotImplementedError
+
+    def put_feed(self, slot, value) -> bool:
+        """Put feed `slot`; False if the plan's own events put it (`advance`)."""
+        raise NotImplementedError
+
+    def queued(self, runner) -> bool:
+        """Whether Python has put anything for this run (a lazy run to drain when abandoned)."""
+        raise NotImplementedError
+
+    def starts_early(self) -> bool:
+        """Whether the run starts with the iteration (else at the first feed put)."""
+        raise NotImplementedError
+
+    def fetchable(self, ref) -> bool:
+        raise NotImplementedError
+
+    def fetch(self, fetch, ref, timeout):
+        """This iteration's value of `ref`; `fetch(channel, timeout)` takes one element."""
+        raise NotImplementedError
+
+    def early_liveout(self, ref, fetched: set, outputs: dict, fetch, timeout):
+        """A live-out of this finished iteration read while its run may still go on (None: wait
+        for the run). May raise the run's OpError."""
+        raise NotImplementedError
+
+    def seamless_switch(self, path, pos: int) -> bool:
+        """Take `path` from op `pos` on without touching the run, if this graph can."""
+        return False
+
+    def on_path(self, path, runner) -> "Executable":
+        """The executable of a restart on `path` (the run was abandoned)."""
+        raise NotImplementedError
+
+    def replay_puts(self, runner, pos: int, put_feed) -> None:
+        """After a restart: put what Python had put so far."""
+        raise NotImplementedError
+
+    def finish(self) -> bool:
+        """The puts known only at the iteration's end; False if some could not be made."""
+        return True
+
+    def leave_unread(self, fetched: set) -> None:
+        """The iteration ended with its run in flight: account for the values not read."""
+
+    def outputs(self, result, fetch) -> dict:
+        """Live-out values of the finished run (`result`: what the run returned)."""
+        raise NotImplementedError
+
+    def drain_finished(self, fetched: set) -> None:
+        """Empty the channels after a run collected in line."""
+        self.graph.drain()
+
+    def record_of(self, index: int):
+        """The record an op error's node index names (None: not one of the path's records)."""
+        return index
+
+
+def materialized(value):
+    return value._terra_materialize() if isinstance(value, Placeholder) else value
+
+
+class PathRun(Executable):
+    """A run of the path's own graph (see the module docstring)."""
+
+    learns_fetches = True
+    allows_pure_tail = True
+
+    def __init__(self, path):
+        self.path = path
+        self.graph = path.graph
+
+    @property
+    def snapshot(self):
+        return self.path.snapshot
+
+    @property
+    def liveouts(self):
+        return self.graph.liveouts
+
+    def put_feed(self, slot, value) -> bool:
+        self.graph.feed_channels[slot].put(materialized(value))
+        return True
+
+    def queued(self, runner) -> bool:
+        return bool(runner.fed)
+
+    def starts_early(self) -> bool:
+        # else at the first feed: a feed of another signature (the next batch has another
+        # shape) then switches paths without a run to cancel
+        return not self.path.early_feed
+
+    def fetchable(self, ref) -> bool:
+        return self.graph.fetch_channels.get(ref) is not None
+
+    def fetch(self, fetch, ref, timeout):
+        ch = self.graph.fetch_channels[ref]
+        for _ in range(self.graph.stale.pop(ref, 0)):  # earlier runs' unread elements
+            fetch(ch, timeout=timeout)
+        return fetch(ch, timeout=timeout)
+
+    def early_liveout(self, ref, fetched, outputs, fetch, timeout):
+        graph = self.graph
+        ch = graph.fetch_channels.get(ref)
+        v = outputs.get(ref)
+        if v is not None or ch is None or ref in fetched or not graph.stale.get(ref):
+            return v
+        for _ in range(graph.stale[ref] - 1):  # older iterations' unread values
+            fetch(ch, timeout=timeout)
+        v = fetch(ch, timeout=timeout)
+        graph.stale[ref] = 0
+        fetched.add(ref)
+        return v
+
+    def on_path(self, path, runner) -> Executable:
+        return PathRun(path)
+
+    def replay_puts(self, runner, pos, put_feed) -> None:
+        for slot in runner.fed_order:
+            put_feed(slot, runner.fed[slot])
+
+    def leave_unread(self, fetched) -> None:
+        self.graph.leave_unread(fetched)
+
+    def outputs(self, result, fetch) -> dict:
+        return dict(zip(self.graph.liveouts, result))
+
+    def drain_finished(self, fetched) -> None:
+        self.graph.drain(fetched)
