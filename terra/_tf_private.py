@@ -487,7 +487,7 @@ def function_outputs_static(atomic) -> bool:
     """Whether every output of AtomicFunction `atomic` has a fully defined static shape."""
     return all(t.shape.is_fully_defined() for t in atomic.graph.outputs)
 
-# ---- XLA: what TF's executor ran (terra/runtime/xla.py; tests/test_tf_private_xla.py) ----------
+# ---- XLA: what TF's executor ran (terra/compiler/xla.py; tests/test_tf_private_xla.py) ----------
 # A cluster of ops marked with `tf.xla.experimental.jit_scope` runs as one `_XlaRun` op; the ops it
 # compiled no longer appear among the executor's ops. TF's profiler records both, in an XSpace
 # proto whose module lives under tensorflow.tsl (no public path).

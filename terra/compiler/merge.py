@@ -24,7 +24,6 @@ otherwise its iterations are unrolled as ordinary nodes (their locations keep it
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from terra.ir.records import ConstRef, FeedRef, OutputRef, Trace, VariableRef

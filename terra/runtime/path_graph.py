@@ -1,19 +1,18 @@
-"""One compiled path as one graph: the trace replayed with feed and fetch channels, run with the
-session's graph settings (Grappler, no arithmetic rewrites or remapping by default, XLA)."""
+"""One compiled path as one graph (lowered by terra/compiler/path_lowering.py), with the runtime's
+bookkeeping of its channels, run with the session's graph settings (Grappler, no arithmetic
+rewrites or remapping by default, XLA)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import tensorflow as tf
 from tensorflow.core.protobuf import rewriter_config_pb2
 
 from terra import _tf_private as tfp
-from terra.compiler import replay
-from terra.compiler.channels import FeedChannel, FeedFetchOrder, FetchChannel, drop_elements
-from terra.compiler.names import op_node_name
+from terra.compiler import xla
+from terra.compiler.channels import drop_elements
+from terra.compiler.path_lowering import LoweredPath
 from terra.config import CONFIG
 from terra.ir.records import OutputRef
-from terra.runtime import xla
 from terra.runtime.graph_runner import GraphRunner
 
 if TYPE_CHECKING:
@@ -21,49 +20,6 @@ if TYPE_CHECKING:
 
 
 # ------------------------------------------------------------------------------------ path graphs
-class _ChannelBuilder(replay.Builder):
-    """Replay's builder with feeds dequeued from channels and fetches enqueued at their points."""
-
-    def __init__(self, trace, graph, order):
-        self.spans = xla.Spans(CONFIG.xla)  # XLA scopes per compute span (no-ops without xla)
-        super().__init__(trace, _LazyFeeds(graph, order, self.spans))
-        self.graph = graph
-        self.order = order
-
-    def _emit_fetches(self, at):
-        refs = self.graph.fetch_at.get(at, ())
-        if refs:
-            self.spans.cut()
-        for ref in refs:
-            with self.spans.channel():
-                self.order.fetch(self.graph.fetch_channels[ref], self.env[(ref.record, ref.index)])
-
-    def run(self):
-        with self.spans:
-            for rec in self.trace.records:
-                self._emit_fetches(rec.index)
-                with self.spans.compute(), tf.name_scope(op_node_name(rec.index)):
-                    outs = self.function(rec) if rec.route == "function" else self.op(rec)
-                for j, t in enumerate(outs or ()):
-                    self.env[(rec.index, j)] = t
-        self._emit_fetches(len(self.trace.records))
-        return self.env
-
-
-class _LazyFeeds:
-    """`feeds[slot]` dequeues the slot's channel on first use (in trace order)."""
-
-    def __init__(self, graph, order, spans):
-        self.graph, self.order, self.spans, self.values = graph, order, spans, {}
-
-    def __getitem__(self, slot):
-        v = self.values.get(slot)
-        if v is None:
-            with self.spans.channel():
-                v = self.values[slot] = self.order.feed(self.graph.feed_channels[slot])
-        return v
-
-
 def skip_fetch_points(path) -> dict:
     """The path's fetch points that skip mode can read. Skip mode matches a coarse unit
     (`tape.gradient`, a Keras layer, ...) as a whole without running its Python, so it never
@@ -88,43 +44,18 @@ class PathGraph:
     run_config = None  # each run keeps the configured ConfigProto (see SiteGraph.run_config)
 
     def __init__(self, path: "Path"):
-        trace = path.trace
         self.path = path
-        self.feed_channels = [FeedChannel(f.spec.dtype, f.spec.shape, name=f"terra_feed{f.slot}")
-                              for f in trace.feeds]
-        self.fetch_at: dict = {}
-        self.fetch_channels: dict = {}
-
-        def fetch_channel(ref, at):
-            spec = trace.records[ref.record].outputs[ref.index]
-            self.fetch_channels[ref] = FetchChannel(spec.dtype, spec.shape,
-                                                    name=f"terra_fetch{ref.record}_{ref.index}")
-            self.fetch_at.setdefault(at, []).append(ref)
-
-        for ref, after in sorted(skip_fetch_points(path).items(), key=lambda kv: kv[1]):
-            fetch_channel(ref, max(after, ref.record + 1))
-        self.liveouts = tuple(sorted(path.liveouts, key=lambda r: (r.record, r.index)))
-        # Live-outs are fetched too: the next iteration often consumes one right away (inputs
-        # sliced for the next step after the tape's block) and then needs not wait for the run
-        # to end.
-        for ref in self.liveouts:
-            if ref not in self.fetch_channels and trace.records[ref.record].outputs[
-                    ref.index].dtype not in ("resource", "variant"):
-                fetch_channel(ref, len(trace.records))
+        lowered = LoweredPath(path.trace, skip_fetch_points(path), path.liveouts, CONFIG.xla)
+        self.feed_channels = lowered.feed_channels
+        self.fetch_channels = lowered.fetch_channels
+        self.fetch_at = lowered.fetch_at
+        self.liveouts = lowered.liveouts
+        self.concrete = lowered.concrete
+        self.xla_spans = lowered.xla_spans
         # fetch channel -> elements that finished iterations left in it unread (their runs
         # enqueue them; the next reader skips them first)
         self.stale: dict = {}
         self.droppers: dict = {}  # pattern of unread counts -> function that drops them
-        liveouts = self.liveouts
-
-        def body():
-            order = FeedFetchOrder()
-            builder = _ChannelBuilder(trace, self, order)
-            env = builder.run()
-            self.xla_spans = builder.spans.count
-            return [env[(r.record, r.index)] for r in liveouts]
-
-        self.concrete = tf.function(body, autograph=False).get_concrete_function()
 
     def drain(self, fetched=None) -> None:
         """Empty the channels after a cancelled run; after a finished one (`fetched` given) the

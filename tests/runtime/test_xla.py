@@ -15,7 +15,7 @@ import tensorflow as tf  # noqa: E402
 
 import terra  # noqa: E402
 from terra import _tf_private as tfp  # noqa: E402
-from terra.runtime import xla  # noqa: E402
+from terra.compiler import xla  # noqa: E402
 from terra.runtime.session import SESSION  # noqa: E402
 
 STEPS, OBSERVED = 6, 3   # the last OBSERVED steps are co-executed and profiled

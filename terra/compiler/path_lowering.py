@@ -1,0 +1,102 @@
+"""Lowering of one trace: the documented special case of `lower` (terra/compiler/lower.py) for a
+TraceGraph with one path and no branches, which needs no Case-Select or Loop-Cond and keeps the
+recorded ops in their recorded order.
+
+`LoweredPath(trace, fetch_points, liveouts, xla)` replays the trace (terra/compiler/replay.py)
+into one concrete function: every feed slot is dequeued from its own `FeedChannel` on first use,
+every fetched output is enqueued on its own `FetchChannel` at its fetch point (records are named
+by `op_node_name`, so an op error maps back to its record), and the live-out values are the
+function's outputs. `xla`: the compute between fetch points runs in XLA scopes (xla.py).
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from terra.compiler import replay, xla
+from terra.compiler.channels import FeedChannel, FeedFetchOrder, FetchChannel
+from terra.compiler.names import op_node_name
+
+__all__ = ["LoweredPath"]
+
+
+class LoweredPath:
+    """One trace as one graph (see the module docstring). `fetch_points`: ref -> number of
+    records after which Python reads it; `liveouts`: refs returned, in this order."""
+
+    def __init__(self, trace, fetch_points: dict, liveouts, xla_scopes: bool = False):
+        self.trace = trace
+        self.feed_channels = [FeedChannel(f.spec.dtype, f.spec.shape, name=f"terra_feed{f.slot}")
+                              for f in trace.feeds]
+        self.fetch_at: dict = {}
+        self.fetch_channels: dict = {}
+        for ref, after in sorted(fetch_points.items(), key=lambda kv: kv[1]):
+            self._fetch_channel(ref, max(after, ref.record + 1))
+        self.liveouts = tuple(sorted(liveouts, key=lambda r: (r.record, r.index)))
+        # Live-outs are fetched too: the next iteration often consumes one right away (inputs
+        # sliced for the next step after the tape's block) and then needs not wait for the run
+        # to end.
+        for ref in self.liveouts:
+            if ref not in self.fetch_channels and trace.records[ref.record].outputs[
+                    ref.index].dtype not in ("resource", "variant"):
+                self._fetch_channel(ref, len(trace.records))
+        self.xla_spans = 0
+        liveouts = self.liveouts
+
+        def body():
+            order = FeedFetchOrder()
+            builder = _ChannelBuilder(trace, self, order, xla_scopes)
+            env = builder.run()
+            self.xla_spans = builder.spans.count
+            return [env[(r.record, r.index)] for r in liveouts]
+
+        self.concrete = tf.function(body, autograph=False).get_concrete_function()
+
+    def _fetch_channel(self, ref, at):
+        spec = self.trace.records[ref.record].outputs[ref.index]
+        self.fetch_channels[ref] = FetchChannel(spec.dtype, spec.shape,
+                                                name=f"terra_fetch{ref.record}_{ref.index}")
+        self.fetch_at.setdefault(at, []).append(ref)
+
+
+class _ChannelBuilder(replay.Builder):
+    """Replay's builder with feeds dequeued from channels and fetches enqueued at their points."""
+
+    def __init__(self, trace, lowered, order, xla_scopes):
+        self.spans = xla.Spans(xla_scopes)  # XLA scopes per compute span (no-ops without xla)
+        super().__init__(trace, _LazyFeeds(lowered, order, self.spans))
+        self.lowered = lowered
+        self.order = order
+
+    def _emit_fetches(self, at):
+        refs = self.lowered.fetch_at.get(at, ())
+        if refs:
+            self.spans.cut()
+        for ref in refs:
+            with self.spans.channel():
+                self.order.fetch(self.lowered.fetch_channels[ref],
+                                 self.env[(ref.record, ref.index)])
+
+    def run(self):
+        with self.spans:
+            for rec in self.trace.records:
+                self._emit_fetches(rec.index)
+                with self.spans.compute(), tf.name_scope(op_node_name(rec.index)):
+                    outs = self.function(rec) if rec.route == "function" else self.op(rec)
+                for j, t in enumerate(outs or ()):
+                    self.env[(rec.index, j)] = t
+        self._emit_fetches(len(self.trace.records))
+        return self.env
+
+
+class _LazyFeeds:
+    """`feeds[slot]` dequeues the slot's channel on first use (in trace order)."""
+
+    def __init__(self, lowered, order, spans):
+        self.lowered, self.order, self.spans, self.values = lowered, order, spans, {}
+
+    def __getitem__(self, slot):
+        v = self.values.get(slot)
+        if v is None:
+            with self.spans.channel():
+                v = self.values[slot] = self.order.feed(self.lowered.feed_channels[slot])
+        return v
