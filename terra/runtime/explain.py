@@ -1,13 +1,48 @@
 """The events `terra.explain()` lists, and the one-screen `terra.summary()`."""
 from __future__ import annotations
 
+import dataclasses
+import enum
 from dataclasses import dataclass
+
+
+class EventKind(str, enum.Enum):
+    """What an `Event` reports (a str: `event.kind == "fallback"` holds)."""
+    TRACE = "trace"
+    GRAPH_BUILD = "graph_build"
+    FALLBACK = "fallback"
+    EAGER = "eager"
+    SWITCH = "switch"
+    CASE_SWITCH = "case_switch"
+    END = "end"
+
+    def __str__(self):
+        return self.value
+
+
+@dataclass
+class Counters:
+    """What the session counts, one field per `terra.stats()` key (times in seconds)."""
+    traces: int = 0
+    fallbacks: int = 0
+    graph_builds: int = 0
+    path_switches: int = 0
+    case_switches: int = 0
+    pure_tails: int = 0
+    overlapped_iterations: int = 0
+    static_reads: int = 0
+    iterations: int = 0
+    python_exec_s: float = 0.0
+    python_stall_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
 class Event:
     """One line of `terra.explain()`."""
-    kind: str      # trace | graph_build | fallback | eager
+    kind: EventKind
     site: str
     iteration: int
     detail: str

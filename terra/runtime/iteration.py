@@ -160,7 +160,7 @@ class Iteration(IterationEnd):
                 v = self.path.static.get(ref)  # a shape the path fixes: no need to wait
                 if v is not None:
                     self.runner.log_fetch(ref)
-                    s.static_reads += 1
+                    s.counters.static_reads += 1
                     return v
             if self.mode == "skip" and s.pending:
                 s.collect_pending()  # our run comes after theirs anyway; may fall back
@@ -176,7 +176,7 @@ class Iteration(IterationEnd):
                     finally:
                         dt = time.perf_counter() - t
                         self.stall += dt
-                        s.python_stall_s += dt
+                        s.counters.python_stall_s += dt
                     if v is not None:
                         self.fetched.add(ref)
                         self.runner.log_fetch(ref)
@@ -237,7 +237,7 @@ class Iteration(IterationEnd):
         except tf.errors.OpError:
             return None  # its run failed: collecting it reports the error
         finally:
-            s.python_stall_s += time.perf_counter() - t
+            s.counters.python_stall_s += time.perf_counter() - t
         if v is not None:
             self.outputs[ref] = v
         return v
@@ -280,7 +280,7 @@ class Iteration(IterationEnd):
                 self.path = q
                 runner.view = q.view
                 s = self.session
-                s.case_switches += 1
+                s.counters.case_switches += 1
                 s._event("case_switch", self.site, self.number, f"p{cur.id} -> p{q.id} at "
                          f"op #{pos} in the site graph: {d.reason}", d.location)
                 return True
@@ -299,7 +299,7 @@ class Iteration(IterationEnd):
                 self.fetched = set()
                 if CONFIG.coexecution and (self.exe.starts_early() or runner.fed_order):
                     self.start_graph()
-            s.switches += 1
+            s.counters.path_switches += 1
             s._event("switch", self.site, self.number, f"p{cur.id} -> p{q.id} at op #{pos}: "
                      f"{d.reason}", d.location)
             return True

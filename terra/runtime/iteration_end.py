@@ -65,7 +65,7 @@ class IterationEnd:
             self.replayed = {}  # bound placeholders keep what the program still holds
             s.finish_trace(self)
         if self.mode == "skip":
-            s.python_exec_s += time.perf_counter() - self.t0 - self.stall
+            s.counters.python_exec_s += time.perf_counter() - self.t0 - self.stall
             self.path.hits += 1
             self.site.last_path = self.path
             self.site.note_path(self.path)
@@ -95,7 +95,7 @@ class IterationEnd:
             for slot in range(len(trace.feeds)):
                 if slot not in runner.fed:
                     runner.record_feed(slot, trace.feed_values[slot], trace.feed_values[slot])
-        s.pure_tails += 1
+        s.counters.pure_tails += 1
         s._event("end", self.site, self.number, f"iteration ended {self.path.view.n - runner.pos} "
                  f"ops before the end of path p{self.path.id}; those ops are pure: the graph runs "
                  f"them on the traced feed values, unread", None)
@@ -126,7 +126,7 @@ class IterationEnd:
             self.runner.placeholders = {}
             self.pending = True
             s.pending.append(self)
-            s.overlapped += 1
+            s.counters.overlapped_iterations += 1
             return
         with s.internal():
             self.start_graph()
@@ -138,7 +138,7 @@ class IterationEnd:
             finally:
                 dt = time.perf_counter() - t
                 self.stall += dt
-                s.python_stall_s += dt
+                s.counters.python_stall_s += dt
             if outs is FAILED:
                 self.fallback(Divergence(user_line(), "a value", "a graph error",
                                          self.runner.pos, "graph error"))

@@ -34,7 +34,7 @@ from terra import _tf_private as tfp
 from terra.config import CONFIG
 from terra.runtime import units as unit_rules
 from terra.runtime import explain
-from terra.runtime.explain import Event
+from terra.runtime.explain import Counters, Event, EventKind
 from terra.runtime.fallback import ContinuingRecorder, EagerReplay, Snapshot, written_variables
 from terra.runtime.held import held_refs
 from terra.runtime.interrupts import held_interrupts
@@ -57,17 +57,7 @@ class Session:
         self.sites: dict = {}
         self.iteration: Iteration | None = None
         self.events: list = []
-        self.traces = 0
-        self.fallbacks = 0
-        self.graph_builds = 0
-        self.switches = 0
-        self.case_switches = 0
-        self.pure_tails = 0
-        self.overlapped = 0
-        self.static_reads = 0
-        self.python_exec_s = 0.0
-        self.python_stall_s = 0.0
-        self.iterations = 0
+        self.counters = Counters()
         self._installed = False
         self._graphs: list = []
         self.runner = ConfiguredRunner(error_context=self._error_context)
@@ -143,21 +133,21 @@ class Session:
         self._foreign_warned.add(me)
         name = threading.current_thread().name
         where = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
-        self.events.append(Event("eager", where, 0, f"thread {name!r}: its Terra tapes run as "
-                                 f"plain tapes (Terra co-executes one thread at a time; another "
-                                 f"thread's iterations are running)", ""))
+        self.events.append(Event(EventKind.EAGER, where, 0, f"thread {name!r}: its Terra tapes "
+                                 f"run as plain tapes (Terra co-executes one thread at a time; "
+                                 f"another thread's iterations are running)", ""))
         warnings.warn(f"terra: tapes on thread {name!r} run eagerly: Terra co-executes one "
                       f"thread at a time and another thread holds it (see terra.explain())",
                       RuntimeWarning, stacklevel=4)
 
     def _event(self, kind, site, it_number, detail, where=""):
-        e = Event(kind, site.label, it_number, detail, where or "")
+        e = Event(EventKind(kind), site.label, it_number, detail, where or "")
         self.events.append(e)
         if CONFIG.verbose:
             print(f"terra: {e}")
 
     def count_fallback(self, it, d: Divergence) -> None:
-        self.fallbacks += 1
+        self.counters.fallbacks += 1
         it.site.fallbacks += 1
         it.fallback_gap = it.number - it.site.last_fallback
         it.site.last_fallback = it.number
@@ -234,7 +224,7 @@ class Session:
                 error = e
             it.outputs = {r: rp.env[(r.record, r.index)] for r in it.liveouts()
                           if (r.record, r.index) in rp.env}
-        self.fallbacks += 1
+        self.counters.fallbacks += 1
         it.site.fallbacks += 1
         self._event("fallback", it.site, it.number, "the graph run failed after the iteration's "
                     "last sync point; replayed eagerly" + (f": {type(error).__name__}"
@@ -270,8 +260,8 @@ class Session:
         if self.pending and (site.eager_reason is not None or self._predict(site) is None):
             with held_interrupts():  # ops of this iteration run eagerly: earlier runs end first
                 self.collect_pending()
-        self.iterations += 1
-        it = Iteration(self, site, frame, self.iterations)
+        self.counters.iterations += 1
+        it = Iteration(self, site, frame, self.counters.iterations)
         it.add_tape(tape)
         self.iteration = it
         if site.eager_reason is not None:
@@ -332,7 +322,7 @@ class Session:
         rec = it.recorder
         trace = rec.stop()
         live = held_refs(rec)
-        self.traces += 1
+        self.counters.traces += 1
         site = it.site
         if not trace.records:
             # no TF op ran (the program raised, or skipped the step, before its first op): no
@@ -426,7 +416,7 @@ class Session:
             path.graph = PathGraph(path)
             path.built_for = path.build_key()
             self._graphs.append(path.graph)
-        self.graph_builds += 1
+        self.counters.graph_builds += 1
         self._event("graph_build", site, number,
                     f"graph for path p{path.id}: {len(path.trace.records)} ops, "
                     f"{len(path.graph.feed_channels)} feeds, {len(path.graph.fetch_channels)} "
@@ -460,7 +450,7 @@ class Session:
             return
         site.site_graph = sg
         self._graphs.append(sg)
-        self.graph_builds += 1
+        self.counters.graph_builds += 1
         self._event("graph_build", site, number, f"site graph (switch_case / while_loop) for "
                     f"{sg.describe()}, {sg.build_seconds:.2f} s; branches switch without a "
                     f"restart")
@@ -488,12 +478,7 @@ class Session:
                      "done": it.site.phase}[it.mode]
         with self.internal():
             stall = sum(g.stall_seconds for g in self._graphs)
-        return {"traces": self.traces, "fallbacks": self.fallbacks,
-                "graph_builds": self.graph_builds, "phase": phase, "path_switches": self.switches,
-                "case_switches": self.case_switches, "pure_tails": self.pure_tails,
-                "overlapped_iterations": self.overlapped, "static_reads": self.static_reads,
-                "iterations": self.iterations,
-                "python_exec_s": self.python_exec_s, "python_stall_s": self.python_stall_s,
+        return {**self.counters.as_dict(), "phase": phase,
                 "graph_exec_s": self.runner.exec_seconds, "graph_stall_s": stall}
 
     def explain(self) -> str:

@@ -3,6 +3,10 @@
 A program is `program(Tape) -> (losses, variables)`: it builds its model from fixed seeds, trains
 with `Tape` (tf.GradientTape or tf.TerraGradientTape) exactly as a user would write it, and returns
 its per-step losses (floats) and final variables (NumPy arrays).
+
+With TERRA_RECORD_COUNTS=<file>, `run_both` appends each test's traces, graph builds and
+fallbacks to the file: how the exact counts the tests assert are refreshed after a deliberate
+change (run it idle and under load; they must agree).
 """
 import os
 
@@ -25,6 +29,10 @@ def run_both(program, **config):
         terra.end_iteration()
         stats = terra.stats()
         explain = terra.explain()
+        if os.environ.get("TERRA_RECORD_COUNTS"):
+            with open(os.environ["TERRA_RECORD_COUNTS"], "a") as f:
+                f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]} "
+                        f"{stats['traces']} {stats['graph_builds']} {stats['fallbacks']}\n")
     finally:
         terra.reset()
         if old:
