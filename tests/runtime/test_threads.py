@@ -39,9 +39,14 @@ def train(model, opt, data, out):
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
         losses.append(float(loss))
+    # neither thread ends before both trained: otherwise the co-executed thread may finish and
+    # exit while the other still trains, which then takes over (test below) and the counts
+    # would depend on which thread was faster
+    done.wait()
     terra.end_iteration()
     out.append(losses + [float(v.numpy().sum()) for v in model.weights] + [int(opt.iterations)])
 
+done = threading.Barrier(2)
 jobs, outs = [make(1), make(2)], [[], []]
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")
