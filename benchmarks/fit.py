@@ -7,8 +7,9 @@ Programs: the coexec CNN (benchmarks/coexec.py) with Keras' own `train_step`; th
 `train_step`s of examples/fit_custom_train_step.py (Python state on `self` and a `.numpy()` read
 every tenth step; the same plus a Python-random branch), for which compiled `fit` is not an
 option (`tf.function` freezes the Python state; `.numpy()` fails inside it). For the CNN, Terra
-also runs with Keras' progress bar (`verbose=1`, whose callback Keras runs on a worker thread)
-and with a callback that reads every batch's logs on the training thread.
+also runs with Keras' progress bar (`verbose=1`) and with a callback of its own that reads
+every batch's logs (Keras' TF backend runs callbacks on the training thread and turns each
+batch's logs into floats in every case).
 
 Each variant fits a fresh model from the same seed; per-epoch wall times after the first epoch
 (steady state) are pooled over the repeats and reported as median and p10/p90; the first epoch
@@ -60,7 +61,7 @@ class EpochTimes(keras.callbacks.Callback):
 
 
 class ReadLogs(keras.callbacks.Callback):
-    """Reads every batch's logs on the training thread (Keras then runs callbacks in line)."""
+    """Reads every batch's logs (as a user's logging callback does)."""
 
     def on_train_batch_end(self, batch, logs=None):
         self.last = {k: float(v) for k, v in logs.items()}
