@@ -45,7 +45,7 @@ from terra.runtime.python_runner import Divergence, PathView, PythonRunner, user
 from terra.runtime.executable import PathRun
 from terra.runtime.site_graph import SiteGraph, SiteRun
 from terra.runtime.sites import (KNOWN_FALLBACK_GAP, Path, Site, generalize, path_signature,
-                                 reads_feed_values, uncompilable, units_for)
+                                 read_changed_spans, reads_feed_values, uncompilable, units_for)
 from terra.tracing import hook
 
 
@@ -339,8 +339,7 @@ class Session:
                 if other.signature[2] != sig[2] or uncompilable(other.trace, other.units) or \
                         reads_feed_values(other.units):
                     continue
-                g = generalize(other.trace, trace, [(u.start, u.end) for u in (
-                    *units.values(), *other.units.values()) if u.reads])
+                g = generalize(other.trace, trace, read_changed_spans(units, other.units))
                 if g is not None:
                     trace = g
                     units = units_for(g, rec.units)

@@ -117,6 +117,35 @@ def generalize(base: Trace, new: Trace, frozen=()):
                  list(new.fast_fallbacks))
 
 
+def read_changed_spans(units: dict, other_units: dict) -> list:
+    """Record spans of the units whose Python read values that differ between two traces of a
+    path (or that only one trace has): `generalize` keeps their constants, which may be made
+    from those values. A unit that read the same values in both (a pooling gradient reading a
+    shape) may hold a constant that changes for another reason, e.g. the backward pass of
+    `logits * keep` with a Python `keep` the program changes: that one becomes a feed. Skip mode
+    still checks the unit's reads before it skips the unit."""
+    spans = []
+    for mine, theirs in ((units, other_units), (other_units, units)):
+        for start, u in mine.items():
+            o = theirs.get(start)
+            if u.reads and (o is None or (o.start, o.end) != (u.start, u.end) or
+                            not _same_reads(u.reads, o.reads)):
+                spans.append((u.start, u.end))
+    return spans
+
+
+def _same_reads(a, b) -> bool:
+    if len(a) != len(b):
+        return False
+    for (ra, va), (rb, vb) in zip(a, b):
+        if ra != rb:
+            return False
+        va, vb = np.asarray(va), np.asarray(vb)
+        if va.dtype != vb.dtype or va.shape != vb.shape or not np.array_equal(va, vb):
+            return False
+    return True
+
+
 def _same_constant(value, frozen, dtype: str) -> bool:
     """Whether feed value `value` (a frozen constant, a Python or NumPy value, or an EagerTensor
     when the slot was first merged from two feeds) is the constant `frozen`, by value. `==` on a

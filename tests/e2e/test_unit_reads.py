@@ -140,3 +140,37 @@ def test_gradient_accumulation_applies_every_fourth_step_as_eager_does():
     # switch p1 -> p2 (iterations 8, 12, ..., 28 after p2's build)
     assert (s["graph_builds"], s["path_switches"], s["fallbacks"]) == (4, 7, 3), explain
     assert "stays eager" not in explain
+
+
+def _pooled_with_schedule(Tape, steps=12):
+    """A global average pooling's gradient reads its input's shape (a unit read, the same every
+    step) while a Python scalar the program changes every step scales the output
+    (examples/demo.py's pattern)."""
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([keras.Input((8, 8, 2)), keras.layers.Dense(3),
+                              keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(4)])
+    opt = keras.optimizers.SGD(0.05)
+    rng = np.random.default_rng(4)
+    X = [rng.normal(size=(4, 8, 8, 2)).astype(np.float32) for _ in range(steps)]
+    keep, losses = 1.0, []
+    for i in range(steps):
+        with Tape() as tape:
+            loss = tf.reduce_mean(tf.square(model(X[i]) * keep))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+        keep -= 0.01
+        losses.append(float(loss))
+    return [np.array(losses)] + [v.numpy() for v in model.weights]
+
+
+def test_a_changing_python_scalar_is_generalized_next_to_a_unit_that_reads_a_shape():
+    eager = _pooled_with_schedule(tf.GradientTape)
+    got = _pooled_with_schedule(tf.TerraGradientTape)
+    terra.end_iteration()
+    _equal(got, eager)
+    s, explain = terra.stats(), terra.explain()
+    # p0 and p1 differ only in the scale: generalized to p2 (a feed) at iteration 3, built, then
+    # every later step runs it (before, the pooling gradient's shape read froze every constant
+    # of the gradient unit, so each step was a new path and the site went eager)
+    assert (s["traces"], s["graph_builds"], s["fallbacks"]) == (3, 1, 0), explain
+    assert "generalized to p2" in explain and "stays eager" not in explain
