@@ -50,6 +50,9 @@ from terra.tracing import hook
 
 
 # ------------------------------------------------------------------------------------ session
+_BUILDS_PER_TRACE_LIMIT = 2  # a site stays eager after this many builds per `max_traces`
+
+
 class Session:
     """Process-wide state (one user thread is co-executed at a time)."""
 
@@ -393,6 +396,12 @@ class Session:
                 site.traces >= CONFIG.max_traces:
             self._go_eager(site, it.number, f"{site.traces} traces without a compilable repeat"
                            + (f" (last: {why})" if why else ""))
+        if site.builds >= _BUILDS_PER_TRACE_LIMIT * CONFIG.max_traces and \
+                site.eager_reason is None:
+            # its paths keep changing (an episode of another length every step): each new path
+            # costs a build and a fallback, more than running the site eagerly
+            self._go_eager(site, it.number, f"{site.builds} graph builds: its paths keep "
+                           f"changing")
         if site.fallbacks - site.known_fallbacks >= CONFIG.max_fallbacks and \
                 site.eager_reason is None:
             self._go_eager(site, it.number, f"{site.fallbacks - site.known_fallbacks} fallbacks")
@@ -416,6 +425,7 @@ class Session:
             path.built_for = path.build_key()
             self._graphs.append(path.graph)
         self.counters.graph_builds += 1
+        site.builds += 1
         self._event("graph_build", site, number,
                     f"graph for path p{path.id}: {len(path.trace.records)} ops, "
                     f"{len(path.graph.feed_channels)} feeds, {len(path.graph.fetch_channels)} "

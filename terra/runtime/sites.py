@@ -229,6 +229,7 @@ class Site:
     paths: dict = field(default_factory=dict)
     traces: int = 0
     fallbacks: int = 0
+    builds: int = 0                       # graph builds of its paths (rebuilds included)
     known_fallbacks: int = 0              # rare ones onto a filed path: not held against the site
     last_fallback: int = 0                # iteration number of the latest fallback
     eager_reason: str | None = None
