@@ -538,6 +538,9 @@ class _Lowering:
             scope.env[key] = outs[i]
         for i in sorted({f.index for f in n.fetches}):
             dtype, shape = self.an.out_spec(n.id, i)
+            # the traces' common shape, widened to what the graph guarantees for every value
+            # of its feeds (a computed `Range` limit: unknown length)
+            shape = tf.TensorShape(shape).most_specific_compatible_shape(outs[i].shape)
             ch = self._channel(self.fetches, (n.id, i), lambda: FetchChannel(
                 dtype, shape, name=f"fetch_{n.id}_{i}"))
             scope.chain.fetched(ch.enqueue_op(outs[i]))

@@ -7,6 +7,10 @@ into one concrete function: every feed slot is dequeued from its own `FeedChanne
 every fetched output is enqueued on its own `FetchChannel` at its fetch point (records are named
 by `op_node_name`, so an op error maps back to its record), and the live-out values are the
 function's outputs. `xla`: the compute between fetch points runs in XLA scopes (xla.py).
+
+`shapes` holds, for every recorded output, the shape TF's shape inference gives it in that graph:
+what holds for every value of the feeds (a `Range` whose limit is computed has an unknown
+length). Fetch channels take those shapes, not the recorded ones.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import tensorflow as tf
 from terra.compiler import replay, xla
 from terra.compiler.channels import FeedChannel, FeedFetchOrder, FetchChannel
 from terra.compiler.names import op_node_name
+from terra.ir.records import OutputRef
 
 __all__ = ["LoweredPath"]
 
@@ -28,17 +33,19 @@ class LoweredPath:
         self.feed_channels = [FeedChannel(f.spec.dtype, f.spec.shape, name=f"terra_feed{f.slot}")
                               for f in trace.feeds]
         self.fetch_at: dict = {}
-        self.fetch_channels: dict = {}
+        self.fetch_channels: dict = {}   # ref -> FetchChannel, made while the body is traced
+        self.shapes: dict = {}           # OutputRef -> tf.TensorShape in the graph
         for ref, after in sorted(fetch_points.items(), key=lambda kv: kv[1]):
-            self._fetch_channel(ref, max(after, ref.record + 1))
+            self.fetch_at.setdefault(max(after, ref.record + 1), []).append(ref)
         self.liveouts = tuple(sorted(liveouts, key=lambda r: (r.record, r.index)))
+        fetched = set(fetch_points)
         # Live-outs are fetched too: the next iteration often consumes one right away (inputs
         # sliced for the next step after the tape's block) and then needs not wait for the run
         # to end.
         for ref in self.liveouts:
-            if ref not in self.fetch_channels and trace.records[ref.record].outputs[
+            if ref not in fetched and trace.records[ref.record].outputs[
                     ref.index].dtype not in ("resource", "variant"):
-                self._fetch_channel(ref, len(trace.records))
+                self.fetch_at.setdefault(len(trace.records), []).append(ref)
         self.xla_spans = 0
         liveouts = self.liveouts
 
@@ -47,15 +54,21 @@ class LoweredPath:
             builder = _ChannelBuilder(trace, self, order, xla_scopes)
             env = builder.run()
             self.xla_spans = builder.spans.count
+            self.shapes = {OutputRef(i, j): t.shape for (i, j), t in env.items()}
             return [env[(r.record, r.index)] for r in liveouts]
 
         self.concrete = tf.function(body, autograph=False).get_concrete_function()
 
-    def _fetch_channel(self, ref, at):
-        spec = self.trace.records[ref.record].outputs[ref.index]
-        self.fetch_channels[ref] = FetchChannel(spec.dtype, spec.shape,
-                                                name=f"terra_fetch{ref.record}_{ref.index}")
-        self.fetch_at.setdefault(at, []).append(ref)
+    def fetch_channel(self, ref, value):
+        """The channel of `ref`, made (eagerly) for `value`, its tensor in the graph being
+        traced: of the shape the graph guarantees."""
+        ch = self.fetch_channels.get(ref)
+        if ch is None:
+            spec = self.trace.records[ref.record].outputs[ref.index]
+            with tf.init_scope():
+                ch = self.fetch_channels[ref] = FetchChannel(
+                    spec.dtype, value.shape, name=f"terra_fetch{ref.record}_{ref.index}")
+        return ch
 
 
 class _ChannelBuilder(replay.Builder):
@@ -73,8 +86,8 @@ class _ChannelBuilder(replay.Builder):
             self.spans.cut()
         for ref in refs:
             with self.spans.channel():
-                self.order.fetch(self.lowered.fetch_channels[ref],
-                                 self.env[(ref.record, ref.index)])
+                value = self.env[(ref.record, ref.index)]
+                self.order.fetch(self.lowered.fetch_channel(ref, value), value)
 
     def run(self):
         with self.spans:

@@ -51,6 +51,11 @@ class Executable:
     def fetchable(self, ref) -> bool:
         raise NotImplementedError
 
+    def static_shape(self, ref):
+        """The shape of `ref` that holds for every value of the feeds (TF's inference in the
+        graph), which a placeholder may claim without a fetch; None: the recorded shape."""
+        return None
+
     def fetch(self, fetch, ref, timeout):
         """This iteration's value of `ref`; `fetch(channel, timeout)` takes one element."""
         raise NotImplementedError
@@ -128,6 +133,9 @@ class PathRun(Executable):
 
     def fetchable(self, ref) -> bool:
         return self.graph.fetch_channels.get(ref) is not None
+
+    def static_shape(self, ref):
+        return self.graph.shapes.get(ref)
 
     def fetch(self, fetch, ref, timeout):
         ch = self.graph.fetch_channels[ref]

@@ -48,6 +48,7 @@ class PathGraph:
         lowered = LoweredPath(path.trace, skip_fetch_points(path), path.liveouts, CONFIG.xla)
         self.feed_channels = lowered.feed_channels
         self.fetch_channels = lowered.fetch_channels
+        self.shapes = lowered.shapes
         self.fetch_at = lowered.fetch_at
         self.liveouts = lowered.liveouts
         self.concrete = lowered.concrete

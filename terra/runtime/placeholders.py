@@ -10,7 +10,8 @@ Where the value is needed it is materialized through the resolver, once, and cac
   `__tf_tensor__`, so an op that receives a placeholder receives the real value (until the runtime
   intercepts those ops itself);
 - `numpy()`, `__array__`, `__float__`, `__int__`, `__index__`, `__bool__`, `__len__`, `__format__`,
-  `__repr__`/`__str__` are Python sync points: they fetch.
+  `__repr__`/`__str__` are Python sync points: they fetch. So is `shape` where the placeholder's
+  static shape is not fully known (the graph does not fix it for every value of its feeds).
 
 After a fallback the runtime re-binds a placeholder to its real EagerTensor (`_terra_bind`): user
 code keeps placeholders in lists and attributes across iterations, and from then on every attribute,
@@ -113,7 +114,11 @@ class Placeholder(tfp.Tensor):
 
     @property
     def shape(self):
+        # an eager tensor's shape is always fully known: a dimension the graph does not fix
+        # (it depends on a value: `tf.range(n)`) is a Python sync point, like `numpy()`
         v = self._terra_value
+        if v is None and not self._shape_val.is_fully_defined():
+            v = self._terra_materialize()
         return v.shape if v is not None else self._shape_val
 
     def get_shape(self):

@@ -451,7 +451,9 @@ class PythonRunner(hook.Interceptor):
         if ph is None:
             spec = rec.outputs[j]
             ref = OutputRef(rec.index, j)
-            ph = SkipPlaceholder.create(spec.dtype, spec.shape, _Resolver(self.iteration, ref))
+            shape = self.iteration.exe.static_shape(ref)
+            ph = SkipPlaceholder.create(spec.dtype, spec.shape if shape is None else shape,
+                                        _Resolver(self.iteration, ref))
             d = ph.__dict__
             d["_terra_owner"] = self
             d["_terra_ref"] = ref

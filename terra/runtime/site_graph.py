@@ -269,6 +269,12 @@ class SiteRun(Executable):
     def fetchable(self, ref) -> bool:
         return (ref.record, ref.index) in self.plan.where
 
+    def static_shape(self, ref):
+        # the path's own graph (every path of a site graph has one) infers its shapes from the
+        # path's feed signature, which skip mode checks
+        graph = self.plan.path.graph
+        return None if graph is None else graph.shapes.get(ref)
+
     def fetch(self, fetch, ref, timeout):
         """Value of output `ref` of this iteration; `fetch(channel, timeout)` takes an element."""
         key, visit = self.plan.where[(ref.record, ref.index)]
