@@ -144,6 +144,23 @@ def concrete_function_of(fn, args):
     raise TypeError(f"expected a tf.function or ConcreteFunction, got {fn!r}")
 
 
+class ReboundFunction:
+    """A ConcreteFunction called with other captured inputs of the same types (another
+    variable's handle where it captured one): one traced and optimized graph serves the same
+    program over new variable objects. Callable where `call_concrete_cancellable` takes a
+    ConcreteFunction."""
+
+    def __init__(self, concrete_fn, captured_inputs):
+        captured_inputs = tuple(captured_inputs)
+        if len(captured_inputs) != len(concrete_fn.captured_inputs):
+            raise ValueError(f"{concrete_fn.name} captures {len(concrete_fn.captured_inputs)} "
+                             f"inputs, got {len(captured_inputs)}")
+        self.concrete = concrete_fn
+        self._inference_function = concrete_fn._inference_function
+        self.captured_inputs = captured_inputs
+        self.name = concrete_fn.name
+
+
 def call_concrete_cancellable(concrete_fn, flat_args, cancellation_manager):
     """Run a ConcreteFunction's inference function under `cancellation_manager`.
 

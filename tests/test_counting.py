@@ -30,8 +30,10 @@ def test_counts_what_ran_inside_the_block_only():
     with CompileCounter() as c:
         _loop()
     # the same site with a new variable: the first iteration falls back at op #0 and its trace,
-    # a new path, is built at once (the site had a compiled path); the other five skip
-    c.assert_counts(iterations=6, traces=1, graph_builds=1, fallbacks=1, path_switches=0)
+    # a new path, runs the graph of the first loop's path over the new variable (the site had a
+    # compiled path); the other five skip
+    c.assert_counts(iterations=6, traces=1, graph_builds=0, graph_reuses=1, fallbacks=1,
+                    path_switches=0)
 
 
 def test_a_difference_fails_and_names_it():

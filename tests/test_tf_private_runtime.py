@@ -88,6 +88,27 @@ def test_concrete_function_internals():
         tfp.concrete_function_of(lambda: 1, ())
 
 
+def test_a_concrete_function_runs_over_other_captured_variables():
+    """ReboundFunction: the captured handles are passed as the call's trailing inputs, so the
+    same function writes another variable of the same dtype and shape."""
+    a, b = tf.Variable(1.0), tf.Variable(5.0)
+
+    def body():
+        a.assign_add(1.0)
+        return a.read_value() * 2.0
+    cf = tf.function(body, autograph=False).get_concrete_function()
+    captured = list(cf.captured_inputs)
+    assert [id(c) for c in captured] == [id(a.handle)]
+    rebound = tfp.ReboundFunction(cf, [b.handle])
+    assert tfp.concrete_function_of(rebound, []) is rebound
+    out = tfp.call_concrete_cancellable(rebound, [], tfp.CancellationManager())
+    assert (float(out), float(a.numpy()), float(b.numpy())) == (12.0, 1.0, 6.0)
+    out = tfp.call_concrete_cancellable(cf, [], tfp.CancellationManager())
+    assert (float(out), float(a.numpy()), float(b.numpy())) == (4.0, 2.0, 6.0)
+    with pytest.raises(ValueError, match="captures 1 inputs, got 2"):
+        tfp.ReboundFunction(cf, [b.handle, a.handle])
+
+
 def test_cancellation_manager_ends_blocked_dequeue_without_global_context():
     q = tf.queue.FIFOQueue(10, tf.float32, shapes=[])
 

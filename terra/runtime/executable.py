@@ -27,6 +27,11 @@ class Executable:
     allows_pure_tail = False  # may end before its path's end when the ops left are pure
 
     @property
+    def function(self):
+        """What the GraphRunner calls for this run."""
+        return self.graph.concrete
+
+    @property
     def snapshot(self):
         """The variables the graph may write (a fallback restores them)."""
         raise NotImplementedError
@@ -110,6 +115,11 @@ class PathRun(Executable):
     def __init__(self, path):
         self.path = path
         self.graph = path.graph
+
+    @property
+    def function(self):
+        # a path that shares another path's graph over its own variables (PathGraph.bind)
+        return self.graph.function_for(self.path)
 
     @property
     def snapshot(self):

@@ -10,6 +10,7 @@ class EventKind(str, enum.Enum):
     """What an `Event` reports (a str: `event.kind == "fallback"` holds)."""
     TRACE = "trace"
     GRAPH_BUILD = "graph_build"
+    GRAPH_REUSE = "graph_reuse"
     FALLBACK = "fallback"
     EAGER = "eager"
     SWITCH = "switch"
@@ -26,6 +27,7 @@ class Counters:
     traces: int = 0
     fallbacks: int = 0
     graph_builds: int = 0
+    graph_reuses: int = 0      # paths that run another path's graph over their own variables
     path_switches: int = 0
     case_switches: int = 0
     pure_tails: int = 0

@@ -149,7 +149,7 @@ class Iteration(IterationEnd):
 
             def snapshot():
                 self.snap = snap.take()
-            self.run = self.session.runner.start(graph.concrete, before=snapshot,
+            self.run = self.session.runner.start(self.exe.function, before=snapshot,
                                                  config=graph.run_config)
 
     def resolve(self, ref: OutputRef):

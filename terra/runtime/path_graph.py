@@ -58,6 +58,25 @@ class PathGraph:
         self.stale: dict = {}
         self.droppers: dict = {}  # pattern of unread counts -> function that drops them
 
+    def bind(self, path, renaming: dict) -> bool:
+        """Serve `path` too: its trace is this graph's path's over other variables
+        (`sites.variable_renaming`), so its runs call this graph with their handles captured in
+        place of the old ones (no lowering, tracing or optimization). False if a renamed
+        variable is not among the graph's captures."""
+        old, new = self.path.trace.variables, path.trace.variables
+        handles = {id(old[a].handle): new[b].handle for a, b in renaming.items()}
+        captured = self.concrete.captured_inputs
+        if len(handles.keys() & {id(c) for c in captured}) != len(handles):
+            return False
+        path.rebound = tfp.ReboundFunction(self.concrete,
+                                           [handles.get(id(c), c) for c in captured])
+        path.graph = self
+        return True
+
+    def function_for(self, path):
+        """What a run of `path` on this graph calls."""
+        return self.concrete if path is self.path or path.rebound is None else path.rebound
+
     def drain(self, fetched=None) -> None:
         """Empty the channels after a cancelled run; after a finished one (`fetched` given) the
         feeds were all consumed and only the fetches Python did not take are left. Only when no

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
+import tensorflow as tf
 
 from terra import _tf_private as tfp
 from terra.ir.op_kinds import HOST_OPS
@@ -106,6 +107,20 @@ def placeholder_ref(x, runner) -> Optional[OutputRef]:
             and not x._terra_bound:
         return x.__dict__["_terra_ref"]
     return None
+
+
+def _takes_variables(rec, op_type, inputs) -> bool:
+    """False if record `rec` of the op `op_type` names another variable where the op's input is
+    a variable handle (a path over other variable objects: switching to it would only diverge
+    again)."""
+    if rec.op_type != op_type or not isinstance(inputs, (list, tuple)) or \
+            len(inputs) != len(rec.inputs):
+        return True
+    for ref, v in zip(rec.inputs, inputs):
+        if isinstance(ref, VariableRef) and isinstance(v, tfp.EagerTensorBase) and \
+                v.dtype == tf.resource and id(v) != ref.key:
+            return False
+    return True
 
 
 class _Resolver:
@@ -214,7 +229,8 @@ class PythonRunner(hook.Interceptor):
                 # (a path whose op here is a variable read may be right: the fast route runs
                 # the reads of variable inputs only after it hands the op to the slow route)
                 accepts = None if route == "function" else (
-                    lambda q: q.view.records[pos].op_type in (op_type, "ReadVariableOp"))
+                    lambda q: q.view.records[pos].op_type in (op_type, "ReadVariableOp") and
+                    _takes_variables(q.view.records[pos], op_type, inputs))
                 while self.iteration.switch(d.divergence, tried=tried, accepts=accepts):
                     try:
                         return self._skip(op_type, inputs, attrs, route)

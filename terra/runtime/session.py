@@ -45,7 +45,8 @@ from terra.runtime.python_runner import Divergence, PathView, PythonRunner, user
 from terra.runtime.executable import PathRun
 from terra.runtime.site_graph import SiteGraph, SiteRun
 from terra.runtime.sites import (KNOWN_FALLBACK_GAP, Path, Site, generalize, path_signature,
-                                 read_changed_spans, reads_feed_values, uncompilable, units_for)
+                                 read_changed_spans, reads_feed_values, uncompilable, units_for,
+                                 variable_renaming)
 from terra.tracing import hook
 
 
@@ -421,6 +422,14 @@ class Session:
                 path.view = PathView(path.trace, path.usable_units())
             if path.snapshot is None:
                 path.snapshot = Snapshot(written_variables(path.trace))
+            shared = self._reuse(site, path)
+            if shared is not None:
+                path.built_for = path.build_key()
+                self.counters.graph_reuses += 1
+                self._event("graph_reuse", site, number, f"path p{path.id} runs the graph of "
+                            f"p{shared.id} over its own variables (the same ops on new "
+                            f"variable objects), {time.perf_counter() - t:.3f} s")
+                return
             path.graph = PathGraph(path)
             path.built_for = path.build_key()
             self._graphs.append(path.graph)
@@ -434,6 +443,21 @@ class Session:
                        if path.graph.xla_spans else "")
                     + f"{time.perf_counter() - t:.2f} s")
         self._build_site_graph(site, number)
+
+    @staticmethod
+    def _reuse(site, path):
+        """A compiled path of `site` whose graph `path` can run over its own variables
+        (`variable_renaming`; the graph was built for the same fetches and outputs): bound to
+        `path` and returned; None if there is none."""
+        key = path.build_key()
+        for q in site.paths.values():
+            if q is path or q.graph is None or q.stale or q.graph.path is not q or \
+                    q.built_for != key:
+                continue
+            renaming = variable_renaming(q.trace, path.trace)
+            if renaming is not None and q.graph.bind(path, renaming):
+                return q
+        return None
 
     def _build_site_graph(self, site, number) -> None:
         """(Re)build the site's SiteGraph over its compiled paths when there are two or more

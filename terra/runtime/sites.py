@@ -11,7 +11,8 @@ import numpy as np
 from terra import _tf_private as tfp
 from terra.compiler.shapes import shapes_fixed
 from terra.ir.op_kinds import HOST_OPS
-from terra.ir.records import ConstRef, Feed, FeedRef, OutputRef, TensorSpec, Trace, replace
+from terra.ir.records import (ConstRef, Feed, FeedRef, OutputRef, TensorSpec, Trace,
+                                VariableRef, replace)
 from terra.runtime.fallback import Snapshot, unsnapshotable
 from terra.runtime.python_runner import GradUnit, PythonRunner
 from terra.runtime.site_graph import SiteGraph
@@ -117,6 +118,41 @@ def generalize(base: Trace, new: Trace, frozen=()):
                  list(new.fast_fallbacks))
 
 
+def variable_renaming(base: Trace, new: Trace) -> dict | None:
+    """`{base key: new key}` if `new` is `base` over other variable objects of the same dtypes
+    and shapes (a metric or a model made anew each epoch) and otherwise equal, record for record:
+    `new` may then run `base`'s graph with its own variables' handles. None otherwise, or when
+    the variables are the same."""
+    if len(base.records) != len(new.records) or \
+            [f.spec for f in base.feeds] != [f.spec for f in new.feeds]:
+        return None
+    forward, backward = {}, {}
+
+    def same(a, b) -> bool:
+        if isinstance(a, VariableRef) and isinstance(b, VariableRef):
+            return forward.setdefault(a.key, b.key) == b.key and \
+                backward.setdefault(b.key, a.key) == a.key
+        if isinstance(a, tuple) and isinstance(b, tuple):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b
+
+    for rb, rn in zip(base.records, new.records):
+        if (rb.op_type, rb.attrs, rb.route, rb.function, rb.outputs) != \
+                (rn.op_type, rn.attrs, rn.route, rn.function, rn.outputs) or \
+                len(rb.inputs) != len(rn.inputs) or \
+                not all(same(a, b) for a, b in zip(rb.inputs, rn.inputs)):
+            return None
+    renaming = {a: b for a, b in forward.items() if a != b}
+    if not renaming:
+        return None
+    for a, b in renaming.items():
+        va, vb = base.variables.get(a), new.variables.get(b)
+        if not (isinstance(va, tfp.BaseResourceVariable) and isinstance(vb, tfp.BaseResourceVariable)
+                and va.dtype == vb.dtype and va.shape == vb.shape):
+            return None
+    return renaming
+
+
 def read_changed_spans(units: dict, other_units: dict) -> list:
     """Record spans of the units whose Python read values that differ between two traces of a
     path (or that only one trace has): `generalize` keeps their constants, which may be made
@@ -174,6 +210,7 @@ class Path:
     snapshot: Snapshot | None = None
     id: int = 0
     verified: set = field(default_factory=set)   # units whose feeds were seen identical twice
+    rebound: object = None   # the call of a shared graph over this path's variables (bind)
 
     @functools.cached_property
     def static(self) -> StaticValues:
