@@ -26,3 +26,26 @@ HOST_OPS = frozenset({
     "WriteImageSummary", "WriteAudioSummary", "WriteGraphSummary", "WriteRawProtoSummary",
     "FlushSummaryWriter", "IteratorGetNext", "IteratorGetNextSync",
 }) | (UNSEEDED_RANDOM_OPS - {"RandomGammaGrad"})
+
+
+# Ops whose kernels raise only for shapes and dtypes, which a compiled path fixes, never for a
+# value (no index, size or divisor taken from a tensor): inside a program's `try`/`except`, any
+# other op is a sync point, so that its error is raised there, as in eager
+# (terra/runtime/python_runner.py, `PathView.barriers`).
+VALUE_SAFE_OPS = frozenset({
+    "Identity", "IdentityN", "StopGradient", "ReadVariableOp", "Cast", "Shape", "ShapeN", "Size",
+    "Rank", "ZerosLike", "OnesLike", "Const",
+    "AddV2", "Add", "AddN", "Sub", "Mul", "MulNoNan", "RealDiv", "DivNoNan", "Neg", "Abs", "Sign",
+    "Square", "SquaredDifference", "Sqrt", "Rsqrt", "Reciprocal", "Exp", "Expm1", "Log", "Log1p",
+    "Pow", "Maximum", "Minimum", "Floor", "Ceil", "Round", "Relu", "Relu6", "Elu", "Selu",
+    "LeakyRelu", "Softplus", "Softsign", "Sigmoid", "Tanh", "Erf", "ReluGrad", "Relu6Grad",
+    "EluGrad", "SeluGrad", "LeakyReluGrad", "SoftplusGrad", "SigmoidGrad", "TanhGrad",
+    "SqrtGrad", "RsqrtGrad", "ReciprocalGrad",
+    "Greater", "GreaterEqual", "Less", "LessEqual", "Equal", "NotEqual", "LogicalAnd",
+    "LogicalOr", "LogicalNot", "Select", "SelectV2", "IsNan", "IsInf", "IsFinite",
+    "MatMul", "BatchMatMulV2", "BatchMatMulV3", "BiasAdd", "BiasAddGrad", "Conv2D",
+    "Conv2DBackpropInput", "Conv2DBackpropFilter", "MaxPool", "MaxPoolGrad", "AvgPool",
+    "AvgPoolGrad", "FusedBatchNormV3", "FusedBatchNormGradV3", "Softmax", "LogSoftmax",
+    "SoftmaxCrossEntropyWithLogits", "Sum", "Mean", "Max", "Min", "Prod", "Transpose",
+    "ConcatV2", "Pack", "Unpack", "ExpandDims", "Squeeze", "BroadcastGradientArgs",
+})

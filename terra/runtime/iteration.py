@@ -325,15 +325,21 @@ class Iteration(IterationEnd):
                 for key in later:
                     watches.setdefault(key, []).append(tape)
             replay = EagerReplay(self.path.trace, runner.fed, self.tape_spans, watches, pre_watch)
+            upto, error = runner.pos, None
             try:
-                env = replay.run(runner.pos)
+                env = replay.run(upto)
             except tf.errors.OpError as e:  # the op raises as in eager; say which one it is
-                raise with_location(e, self, replay.at) from None
+                # the program may catch it (its `try` around the op) and go on with the values
+                # made before it: the iteration goes on, traced, from the op that failed
+                env, upto, error = replay.env, replay.at, with_location(e, self, replay.at)
+                if upto is None:
+                    raise error from None
             self.replayed = env
             bind_placeholders(runner.placeholders, env)
             rec = ContinuingRecorder(self.site.label, CONFIG.max_trace_ops)
-            rec.seed(self.path.trace, runner.pos, runner.fed, env, runner.placeholders,
-                     self.path.units, runner.fetch_log, replay, runner.born)
+            rec.seed(self.path.trace, upto, runner.fed, env, runner.placeholders,
+                     self.path.units, [f for f in runner.fetch_log if f.ref.record < upto],
+                     replay, runner.born)
             runner.placeholders = {}
             for handle, variable in runner.handles.values():
                 rec.variable_handle(variable, handle)
@@ -343,6 +349,8 @@ class Iteration(IterationEnd):
             rec._keep = None
             self.recorder = rec
             self.mode = "tracing"
+        if error is not None:
+            raise error from None
         s.raise_deferred()
         return rec
 

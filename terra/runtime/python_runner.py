@@ -25,10 +25,12 @@ import numpy as np
 import tensorflow as tf
 
 from terra import _tf_private as tfp
-from terra.ir.op_kinds import HOST_OPS
-from terra.ir.records import ConstRef, FeedRef, Fetch, OutputRef, Trace, VariableRef
+from terra.ir.op_kinds import HOST_OPS, VALUE_SAFE_OPS
+from terra.ir.records import (FRAME_TRIES, ConstRef, FeedRef, Fetch, OutputRef, Trace,
+                              VariableRef)
 from terra.runtime.placeholders import Placeholder
 from terra.tracing import hook
+from terra.tracing.locations import code_info
 from terra.tracing.recorder import frozen_value, is_python_value, freeze_attr
 
 
@@ -137,11 +139,40 @@ class _Resolver:
 
 
 # ------------------------------------------------------------------------------------ path data
+def barrier_records(trace: Trace, root) -> frozenset:
+    """Records skip mode waits for as soon as it matched them: ops that may raise for a value
+    (not `VALUE_SAFE_OPS`), issued inside a `try` with an `except` clause that lies within the
+    iteration, so their error is raised inside that `try`, as in eager, not at a later sync
+    point outside it. `root` is the site's (code, offset of its `with`): in the tape's own
+    frame only a `try` that begins after the `with` counts (one around the whole loop or step
+    has its errors raised at a later sync point inside it); in a frame that called the tape's
+    function, none does. Ops inside a coarse unit are not visited one by one (not covered)."""
+    code, lasti = root
+    root_label = code_info(code).label + "@"
+    out = set()
+    for rec in trace.records:
+        if rec.op_type in VALUE_SAFE_OPS or not rec.outputs or rec.location is None:
+            continue
+        for k, label in enumerate(rec.location.frames):
+            starts = FRAME_TRIES.get(label, ())
+            if not starts:
+                continue
+            if label.startswith(root_label):
+                if any(s > lasti for s in starts):
+                    out.add(rec.index)
+                    break
+            elif k > 0:
+                out.add(rec.index)
+                break
+    return frozenset(out)
+
+
 class PathView:
     """What skip mode needs about one compiled trace, precomputed for fast checks."""
 
-    def __init__(self, trace: Trace, units: dict):
+    def __init__(self, trace: Trace, units: dict, root=None):
         self.trace = trace
+        self.barriers = frozenset() if root is None else barrier_records(trace, root)
         self.records = trace.records
         self.units = units
         self.n = len(trace.records)
@@ -305,6 +336,8 @@ class PythonRunner(hook.Interceptor):
         if self.advance is not None:
             self.advance(p + 1)
         outs = [self._placeholder(rec, j) for j in range(len(rec.outputs))]
+        if p in view.barriers:  # inside the program's try: its error is raised here
+            outs[0]._terra_materialize()
         if route == "fast":
             if not outs:
                 return None

@@ -380,7 +380,7 @@ class Session:
         if why is None and (path.count >= 2 or compiled_before) and path.stale:
             self._build(site, path, it.number)
         elif path.view is None and path.graph is not None:
-            path.view = PathView(path.trace, path.usable_units())
+            path.view = PathView(path.trace, path.usable_units(), site.key)
         for other in list(site.paths.values()):
             # a compiled path that learned a fetch in this iteration (Iteration.get: a value
             # Python read where the path's graph did not fetch it) is rebuilt now: a stale path
@@ -419,7 +419,7 @@ class Session:
         t = time.perf_counter()
         with self.internal():
             if path.view is None:
-                path.view = PathView(path.trace, path.usable_units())
+                path.view = PathView(path.trace, path.usable_units(), site.key)
             if path.snapshot is None:
                 path.snapshot = Snapshot(written_variables(path.trace))
             shared = self._reuse(site, path)

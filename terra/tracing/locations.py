@@ -32,7 +32,7 @@ import sys
 import sysconfig
 import warnings
 
-from terra.ir.records import FRAME_LINES, Location, LoopIter
+from terra.ir.records import FRAME_LINES, FRAME_TRIES, Location, LoopIter
 
 _TERRA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _LIBRARY_DIRS = tuple(sorted({os.path.realpath(p) + os.sep for key in ("stdlib", "platstdlib",
@@ -95,6 +95,58 @@ def find_loops(code) -> tuple:
             loops.append([start, end, {start: start in line_starts}])
     loops.sort(key=lambda l: (l[0], -l[1]))
     return tuple((s, e, dict(h)) for s, e, h in loops)
+
+
+def _handlers(code) -> tuple:
+    """(exception table entries, {handler offset: (kind, first offset it protects)}); kind is
+    "except" (a clause that may catch), "with" (a context manager's exit), "finally" or
+    "cleanup" (both re-raise)."""
+    bc = dis.Bytecode(code)
+    instrs = list(bc)
+    at = {ins.offset: k for k, ins in enumerate(instrs)}
+    entries = bc.exception_entries
+    handlers = {}
+    for e in entries:
+        kind, start = handlers.get(e.target, (None, e.start))
+        if kind is None:
+            k = at[e.target]
+            kind = "cleanup"
+            if instrs[k].opname == "PUSH_EXC_INFO":
+                nxt = instrs[k + 1].opname if k + 1 < len(instrs) else ""
+                kind = "with" if nxt == "WITH_EXCEPT_START" else "finally"
+                if nxt == "POP_TOP":  # a bare `except:`
+                    kind = "except"
+                for ins in instrs[k + 1:]:
+                    if ins.opname == "CHECK_EXC_MATCH":
+                        kind = "except"
+                    if ins.opname in ("RERAISE", "CHECK_EXC_MATCH"):
+                        break
+        handlers[e.target] = (kind, min(start, e.start))
+    return entries, handlers
+
+
+_handler_tables: dict = {}
+
+
+def except_regions(code, lasti: int) -> tuple:
+    """Starts of the `try`/`except` blocks enclosing bytecode offset `lasti`, innermost first.
+    The exception table names only the innermost handler of an offset; a `with`, `finally` or
+    cleanup handler passes an exception on from its own code, so the chain is followed from
+    there."""
+    table = _handler_tables.get(code)
+    if table is None:
+        table = _handler_tables[code] = _handlers(code)
+    entries, handlers = table
+    out, offset = [], lasti
+    for _ in range(64):
+        entry = next((e for e in entries if e.start <= offset < e.end), None)
+        if entry is None:
+            break
+        kind, start = handlers[entry.target]
+        if kind == "except":
+            out.append(start)
+        offset = entry.target
+    return tuple(out)
 
 
 _infos: dict = {}
@@ -321,6 +373,7 @@ def _build(key) -> Location:
             label = _frame_labels[(info, lasti)] = f"{info.label}@{lasti}"
             FRAME_LINES[label] = (f"{info.file}:{_line(info.code, lasti)} ({info.name})",
                                   info.library)
+            FRAME_TRIES[label] = () if info.library else except_regions(info.code, lasti)
         frames.append(label)
         for i, it in iters:
             loops.append(LoopIter(info.loop_ids[i], it))
