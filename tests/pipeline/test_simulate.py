@@ -90,6 +90,19 @@ def test_plot_png(tmp_path):
     assert open(path2, "rb").read()[:4] == b"\x89PNG"
 
 
+def test_plot_draws_w_cells(tmp_path):
+    """W boxes are drawn in their own colour (purple), with a legend entry."""
+    pytest.importorskip("matplotlib")
+    import numpy as np
+    from matplotlib.image import imread
+    purple = np.array([0x81, 0x72, 0xB3]) / 255
+    for schedule, has_w in ((zb_h1(2, 2), True), (one_f_one_b(2, 2), False)):
+        path = simulate(schedule).plot(tmp_path / f"{schedule.name}.png")
+        pixels = imread(path)[..., :3]
+        found = np.isclose(pixels, purple, atol=0.02).all(axis=-1).sum()
+        assert (found > 100) == has_w, (schedule.name, found)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(act_bytes=-1), "non-negative"),
     (dict(act_bytes=[1, 2]), "needs 4 entries"),
