@@ -128,6 +128,7 @@ def test_docs_grid_is_current():
     text = doc.read_text()
     assert simulate(add_evict_load(one_f_one_b(4, 8))).timeline() in text
     assert simulate(one_f_one_b(4, 8)).timeline() in text
+    assert str(zb_h1(4, 8)) in text and str(zb_v(4, 8)) in text
 
 
 # ---------------------------------------------------------------------------- split backward
