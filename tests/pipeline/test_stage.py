@@ -69,6 +69,30 @@ def test_split_backward_equals_the_whole_backward_and_recomputes_nothing():
     assert all(prog.split.num_saved > 0 for prog in programs[1:])
 
 
+def test_split_backward_with_sparse_gradients_and_a_cond():
+    """A gathered weight (IndexedSlices gradient) and a functional tf.cond: B and W still give
+    the tape's gradients exactly, and the cut is clean."""
+    emb = tf.Variable(tf.random.normal((10, 4), seed=1))
+    w = tf.Variable(tf.random.normal((4, 3), seed=2))
+
+    def f(h, ids):
+        z = tf.matmul(h + tf.gather(emb, ids), w)
+        z = tf.cond(tf.reduce_sum(z) > 0, lambda: tf.nn.relu(z), lambda: tf.tanh(z))
+        return tf.reduce_sum(z * z)
+
+    prog = st.StageProgram(f, [emb, w], tf.TensorSpec((5, 4)), tf.TensorSpec((5,), tf.int32))
+    h, ids = tf.random.normal((5, 4), seed=3), tf.constant([1, 2, 2, 7, 0])
+    _, pack = prog.forward(h, ids)
+    gh, residual = prog.backward_input(pack, tf.constant(1.0))
+    g_emb, g_w = prog.backward_weight(pack, residual)
+    with tf.GradientTape() as tape:
+        tape.watch(h)
+        ref = f(h, ids)
+    r_h, r_emb, r_w = tape.gradient(ref, [h, emb, w])
+    assert max_err([gh, g_emb, g_w], [r_h, tf.convert_to_tensor(r_emb), r_w]) == 0.0
+    assert prog.split.recomputed == 0 and prog.split.num_saved > 0
+
+
 def test_pack_plan_keeps_variable_reads_and_rebuilds_views():
     w = tf.Variable(tf.ones((4, 8)))
 
