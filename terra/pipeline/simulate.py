@@ -52,10 +52,8 @@ class Costs:
 
     def per_stage(self, stages: int) -> dict:
         """{kind: [time per stage]} and the per-stage transfer time of one message."""
-        out = {}
-        for kind, value in ((F, self.F), (B, self.B), (W, self.W)):
-            values = _per_stage_value(value, stages, f"Costs.{kind.name}")
-            out[kind] = values
+        out = {kind: _per_stage_value(value, stages, f"Costs.{kind.name}")
+               for kind, value in ((F, self.F), (B, self.B), (W, self.W))}
         sizes = _per_stage(self.message_bytes, stages, "Costs.message_bytes")
         if isinstance(self.per_byte, bool) or not isinstance(self.per_byte, (int, float)) or self.per_byte < 0:
             raise ValueError(f"Costs.per_byte must be a non-negative number, got {self.per_byte!r}")
