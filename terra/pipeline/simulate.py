@@ -19,7 +19,7 @@ its compute actions in that order, each as soon as the rank is free and its inpu
 F, B or W costs ``Costs.F`` / ``B`` / ``W`` of its stage, and a B whose backward is not split
 costs ``B + W``; an input from another rank arrives ``per_byte * message_bytes`` after it was
 produced (``message_bytes[s]``: stage ``s``'s output per micro-batch, which is also the size of
-the input gradient it gets back). Transfer-lane actions (SEND/RECV, EVICT/LOAD) overlap compute
+the input gradient it gets back; ``per_byte``: one number, or one per link between two ranks). Transfer-lane actions (SEND/RECV, EVICT/LOAD) overlap compute
 and cost nothing here. ``step_time`` is when the last action ends; a rank's bubble is its idle
 time over its compute time, ``(step_time - busy) / busy`` (the Zero Bubble paper's measure), and
 ``bubble`` the largest over ranks. With the default unit costs, 1F1B's bubble is
@@ -42,23 +42,34 @@ Cost = Union[float, Sequence[float], Mapping[int, float]]
 class Costs:
     """Per-action times for `simulate`. ``F``, ``B``, ``W``: a number (every stage) or one per
     stage (sequence or mapping); an unsplit backward costs ``B + W``. ``per_byte``: time per
-    byte between two ranks; ``message_bytes``: bytes of each stage's output per micro-batch (an
-    int for every stage, or one per stage)."""
+    byte between two ranks, one number for every link or ``{(rank, rank): time}`` per link (either
+    order; a link the schedule uses must be there); ``message_bytes``: bytes of each stage's
+    output per micro-batch (an int for every stage, or one per stage)."""
     F: Cost = 1
     B: Cost = 1
     W: Cost = 1
-    per_byte: float = 0.0
+    per_byte: Union[float, Mapping[tuple, float]] = 0.0
     message_bytes: Bytes = 0
 
     def per_stage(self, stages: int) -> dict:
-        """{kind: [time per stage]} and the per-stage transfer time of one message."""
+        """{kind: [time per stage]}, and "bytes": [message bytes per stage]."""
         out = {kind: _per_stage_value(value, stages, f"Costs.{kind.name}")
                for kind, value in ((F, self.F), (B, self.B), (W, self.W))}
-        sizes = _per_stage(self.message_bytes, stages, "Costs.message_bytes")
-        if isinstance(self.per_byte, bool) or not isinstance(self.per_byte, (int, float)) or self.per_byte < 0:
-            raise ValueError(f"Costs.per_byte must be a non-negative number, got {self.per_byte!r}")
-        out["send"] = [self.per_byte * n for n in sizes]
+        out["bytes"] = _per_stage(self.message_bytes, stages, "Costs.message_bytes")
+        links = self.per_byte.values() if isinstance(self.per_byte, Mapping) else [self.per_byte]
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in links):
+            raise ValueError(f"Costs.per_byte must be a non-negative number or a mapping "
+                             f"(rank, rank) -> non-negative number, got {self.per_byte!r}")
         return out
+
+    def link(self, a: int, b: int) -> float:
+        """Time per byte between ranks ``a`` and ``b``."""
+        if not isinstance(self.per_byte, Mapping):
+            return self.per_byte
+        for key in ((a, b), (b, a)):
+            if key in self.per_byte:
+                return self.per_byte[key]
+        raise ValueError(f"Costs.per_byte has no link between ranks {a} and {b}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +159,8 @@ def _per_stage_value(value: Cost, stages: int, name: str) -> list[float]:
 def timing(schedule: Schedule, costs: Optional[Costs] = None):
     """Event-driven replay of each rank's compute order (rules in the module docstring).
     Returns ({action: (start, end)}, step_time, busy per rank), or None if it deadlocks."""
-    table = (costs or Costs()).per_stage(schedule.num_stages)
+    costs = costs or Costs()
+    table = costs.per_stage(schedule.num_stages)
     split = schedule.split
     orders = [schedule.compute_order(r) for r in range(schedule.p)]
 
@@ -169,8 +181,7 @@ def timing(schedule: Schedule, costs: Optional[Costs] = None):
                 deps = action_deps(a, schedule.next_stage, schedule.prev_stage)
                 if not all(d in times for d in deps):
                     break
-                ready = [times[d][1] + (table["send"][min(a.stage, d.stage)]
-                                        if schedule.rank_of(d.stage) != r else 0.0) for d in deps]
+                ready = [times[d][1] + _arrival(costs, table, schedule, d, a, r) for d in deps]
                 start = max([free[r]] + ready)
                 times[a] = (start, start + cost(a))
                 free[r] = times[a][1]
@@ -180,6 +191,14 @@ def timing(schedule: Schedule, costs: Optional[Costs] = None):
         return None
     busy = tuple(sum(cost(a) for a in orders[r]) for r in range(schedule.p))
     return times, max((end for _, end in times.values()), default=0.0), busy
+
+
+def _arrival(costs: Costs, table, schedule: Schedule, dep: Action, action: Action, rank: int) -> float:
+    """Time from ``dep``'s end until its output (or input gradient) is on ``action``'s rank."""
+    source = schedule.rank_of(dep.stage)
+    if source == rank:
+        return 0.0
+    return costs.link(source, rank) * table["bytes"][min(dep.stage, action.stage)]
 
 
 def simulate(schedule: Schedule, act_bytes: Bytes = None, weight_bytes: Bytes = None,

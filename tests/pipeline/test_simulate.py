@@ -175,6 +175,12 @@ def test_costs_per_stage_and_transfer_time():
                        Action.parse("0B0"): (6, 7), Action.parse("0W0"): (7, 7.5)}
     assert r.step_time == 7.5 and r.busy == (2.5, 5.5)
     assert r.rank_bubble == (5 / 2.5, 2 / 5.5) and r.bubble == 2.0
+    # per link: only the 1 -> 2 link of three stages is slow (3 per byte, 2 bytes: 6 each way)
+    r = simulate(one_f_one_b(3, 1), costs=Costs(per_byte={(0, 1): 0, (2, 1): 3}, message_bytes=2))
+    assert [r.times[Action.parse(t)] for t in ("0F0", "1F0", "2F0", "2B0", "1B0", "0B0")] == [
+        (0, 1), (1, 2), (8, 9), (9, 11), (17, 19), (19, 21)]
+    with pytest.raises(ValueError, match="no link between ranks 1 and 2"):
+        simulate(one_f_one_b(3, 1), costs=Costs(per_byte={(0, 1): 1}))
     # sends between stages on one rank (ZB-V's turn at the last rank) are free
     free = simulate(zb_v(2, 3), costs=Costs(per_byte=1.0, message_bytes={0: 0, 1: 5, 2: 0, 3: 0}))
     assert free.step_time == simulate(zb_v(2, 3)).step_time
@@ -183,6 +189,7 @@ def test_costs_per_stage_and_transfer_time():
 def test_costs_are_checked_and_deadlocks_have_no_time():
     for costs, match in [(Costs(F=-1), "non-negative numbers"), (Costs(B=[1, 2]), "needs 4 entries"),
                          (Costs(W={0: 1}), "lacks stages"), (Costs(per_byte=-0.1), "per_byte"),
+                         (Costs(per_byte={(0, 1): -1}), "per_byte"),
                          (Costs(message_bytes=1.5), "non-negative ints")]:
         with pytest.raises(ValueError, match=match):
             simulate(one_f_one_b(4, 4), costs=costs)
