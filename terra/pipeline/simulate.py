@@ -19,8 +19,8 @@ its compute actions in that order, each as soon as the rank is free and its inpu
 F, B or W costs ``Costs.F`` / ``B`` / ``W`` of its stage, and a B whose backward is not split
 costs ``B + W``; an input from another rank arrives ``per_byte * message_bytes`` after it was
 produced (``message_bytes[s]``: stage ``s``'s output per micro-batch, which is also the size of
-the input gradient it gets back; ``per_byte``: one number, or one per link between two ranks). Transfer-lane actions (SEND/RECV, EVICT/LOAD) overlap compute
-and cost nothing here. ``step_time`` is when the last action ends; a rank's bubble is its idle
+the input gradient it gets back; ``per_byte``: one number, or one per link between two ranks).
+Transfer-lane actions (SEND/RECV, EVICT/LOAD) overlap compute and cost nothing here. ``step_time`` is when the last action ends; a rank's bubble is its idle
 time over its compute time, ``(step_time - busy) / busy`` (the Zero Bubble paper's measure), and
 ``bubble`` the largest over ranks. With the default unit costs, 1F1B's bubble is
 ``(p - 1) / m``, ZB-H1's ``(p - 1) / 3m`` and ZB-V's ``(p - 1) / 6m`` (the ramp alone).

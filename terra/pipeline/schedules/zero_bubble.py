@@ -52,30 +52,28 @@ def zb_v_order(rank: int, p: int, m: int) -> list[Action]:
     deferred = {down: [], up: []}          # Bs whose W comes later, oldest first
     order: list[Action] = []
 
-    def run(stage, kind, defer=False):
-        mb = deferred[stage].pop(0) if kind is W and deferred[stage] else count[stage, kind]
-        order.append(Action(stage, kind, mb))
-        count[stage, kind] += 1
-        if kind is B and defer:
-            deferred[stage].append(mb)
+    def run(*actions, defer=False):
+        """Append (stage, kind) actions; a W takes the oldest deferred B of its stage, if any."""
+        for stage, kind in actions:
+            mb = deferred[stage].pop(0) if kind is W and deferred[stage] else count[stage, kind]
+            order.append(Action(stage, kind, mb))
+            count[stage, kind] += 1
+            if kind is B and defer:
+                deferred[stage].append(mb)
 
-    for _ in range(2 * (p - rank) - 1):
-        run(down, F)
-    for _ in range(rank):
-        run(up, F), run(down, F)
-    for _ in range(p - rank):
-        run(up, F), run(up, B), run(up, W)
+    run(*[(down, F)] * (2 * (p - rank) - 1))
+    run(*[(up, F), (down, F)] * rank)
+    run(*[(up, F), (up, B), (up, W)] * (p - rank))
     while count[up, F] < count[down, F] or count[down, F] < n:
         if count[down, F] < n:
-            run(down, F)
-        run(down, B), run(down, W), run(up, F), run(up, B), run(up, W)
-    for _ in range(rank):
-        run(down, B, defer=True), run(up, B, defer=True)
+            run((down, F))
+        run((down, B), (down, W), (up, F), (up, B), (up, W))
+    run(*[(down, B), (up, B)] * rank, defer=True)
     for _ in range(p - rank):
-        run(down, B, defer=True), run(down, W)
-    for stage in (up, down):
-        while deferred[stage]:
-            run(stage, W)
+        run((down, B), defer=True)
+        run((down, W))
+    run(*[(up, W)] * len(deferred[up]))
+    run(*[(down, W)] * len(deferred[down]))
     return [a for a in order if a.microbatch < m]
 
 
