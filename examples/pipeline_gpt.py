@@ -13,7 +13,8 @@ import tensorflow as tf  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved", "kfkb", "chimera"])
+    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved", "kfkb", "chimera",
+                                                                "zb-h1", "zb-v"])
     parser.add_argument("--balance", default=None, choices=[None, "bpipe"], type=lambda s: None if s == "none" else s)
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
@@ -32,11 +33,12 @@ def main():
 
     import keras
     from terra.pipeline import stage
-    from terra.pipeline.executor import PipelineTrainer
+    from terra.pipeline.executor import PipelineTrainer, make_schedule
 
     p = args.stages
-    nparts = 2 * p if args.schedule == "interleaved" else p
-    parts = stage.tiny_gpt(nparts, devices=[devices[k % p] for k in range(nparts)])
+    plan = make_schedule(args.schedule, p, args.microbatches)   # interleaved, zb-v: 2p parts
+    nparts = plan.pipe_depth
+    parts = stage.tiny_gpt(nparts, devices=[devices[plan.stage_ranks[k]] for k in range(nparts)])
     replicas = (stage.tiny_gpt(nparts, devices=devices[::-1]) if args.schedule == "chimera" else None)
     trainer = PipelineTrainer(parts, lambda: keras.optimizers.Adam(args.lr), devices=devices,
                               schedule=args.schedule, balance=args.balance,

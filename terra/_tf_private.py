@@ -318,6 +318,92 @@ def forward_backward_pair(concrete_fn) -> ForwardBackwardPair:
                                forward, backward)
 
 
+
+@_dataclass(frozen=True)
+class SplitBackward:
+    """A backward function cut in two, for zero-bubble schedules: ``input_grads`` computes the
+    gradients of the forward inputs (what the previous stage waits for) and returns the
+    intermediate gradients ``weight_grads`` needs; ``weight_grads`` computes the gradients of
+    the requested captures (the weights) from those, the output gradients and the captures.
+    Nothing is computed twice: the second half starts where the first stopped.
+
+    ``recomputed`` counts input-gradient ops (placeholders and constants aside) reachable from the
+    weight half's outputs; 0 means the cut is clean (a control edge into the first half would
+    pull its ops in again)."""
+    num_saved: int
+    recomputed: int
+    _input: object
+    _weight: object
+    _input_outputs: tuple
+    _weight_outputs: tuple
+
+    def input_grads(self, output_grads, captures):
+        """(input gradients, one per requested position (None where there is none), saved)."""
+        out = self._input._call_flat(list(output_grads) + list(captures), [])  # pylint: disable=protected-access
+        out = [] if out is None else list(out) if isinstance(out, (list, tuple)) else [out]
+        cut = len(out) - self.num_saved
+        return _fill(self._input_outputs, out[:cut]), out[cut:]
+
+    def weight_grads(self, saved, output_grads, captures):
+        out = self._weight._call_flat(list(saved) + list(output_grads) + list(captures), [])  # pylint: disable=protected-access
+        out = [] if out is None else list(out) if isinstance(out, (list, tuple)) else [out]
+        return _fill(self._weight_outputs, out)
+
+
+def _fill(structure, values) -> list:
+    """``structure`` (graph tensors, composites, None) with its tensors replaced by ``values``."""
+    flat = _nest.flatten(list(structure), expand_composites=True)
+    values = iter(values)
+    return _nest.pack_sequence_as(list(structure), [None if t is None else next(values) for t in flat],
+                                  expand_composites=True)
+
+
+def _ancestor_ops(tensors) -> set:
+    seen, stack = set(), [t.op for t in tensors]
+    while stack:
+        op = stack.pop()
+        if op not in seen:
+            seen.add(op)
+            stack.extend(t.op for t in op.inputs)
+            stack.extend(op.control_inputs)
+    return seen
+
+
+def split_backward(pair: ForwardBackwardPair, input_positions, weight_positions) -> SplitBackward:
+    """Cut ``pair``'s backward into an input half and a weight half (see `SplitBackward`).
+
+    Ops the input gradients need form the first half; the rest of what the weight gradients
+    need forms the second; tensors crossing the cut (intermediate gradients such as each
+    layer's output gradient) are returned by the first half and fed to the second. Both halves
+    are pruned copies of the backward graph (`WrappedFunction.prune`)."""
+    from tensorflow.python.eager import wrap_function as _wrap_function
+    backward = pair._backward  # pylint: disable=protected-access
+    graph = backward.graph
+    outputs = backward.structured_outputs
+    inputs_out = tuple(outputs[i] for i in input_positions)
+    weights_out = tuple(outputs[i] for i in weight_positions)
+    input_flat = [t for t in _nest.flatten(list(inputs_out), expand_composites=True) if t is not None]
+    weight_flat = [t for t in _nest.flatten(list(weights_out), expand_composites=True) if t is not None]
+    placeholders = {t.op for t in graph.inputs}
+    first = _ancestor_ops(input_flat)
+    second = _ancestor_ops(weight_flat) - first
+    saved, seen = [], set()
+    for op in sorted(second, key=lambda o: o.name):
+        for t in op.inputs:
+            if (t.op in first and t.op not in placeholders and t.op.type != "Const"
+                    and _ops.tensor_id(t) not in seen):
+                seen.add(_ops.tensor_id(t))
+                saved.append(t)
+    wrapped = _wrap_function.WrappedFunction(graph, variable_holder=_wrap_function.VariableHolder())
+    feeds = list(graph.inputs)
+    input_fn = wrapped.prune(feeds=feeds, fetches=input_flat + saved)
+    weight_fn = wrapped.prune(feeds=saved + feeds, fetches=weight_flat)
+    names = {op.name for op in first if op not in placeholders and op.type != "Const"}
+    reached = _ancestor_ops(weight_fn.graph.outputs)
+    recomputed = sum(1 for op in reached if op.name in names and op.type not in ("Placeholder", "Const"))
+    return SplitBackward(len(saved), recomputed, input_fn, weight_fn, inputs_out, weights_out)
+
+
 # ---- zero-line adoption: `terra.enable()` (terra/tracing/hook.py) ------------------------------
 # Checked by tests/test_tf_private_runtime.py::test_gradient_tape_exports.
 # TF's own class, whatever `tf.GradientTape` names now: while `terra.enable()` is in force the

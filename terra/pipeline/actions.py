@@ -8,7 +8,11 @@ round-trip through CSV:
 kind       text                     meaning
 =========  =======================  ==========================================================
 F          ``2F0``                  stage 2 runs the forward of micro-batch 0
-B          ``2B0``                  stage 2 runs the backward of micro-batch 0
+B          ``2B0``                  stage 2 runs the backward of micro-batch 0: the input
+                                    gradient, sent upstream at once, and (unless the schedule
+                                    has ``2W0``) the weight gradient in the same step
+W          ``2W0``                  stage 2 computes micro-batch 0's weight gradient from what
+                                    ``2B0`` left (zero-bubble schedules split the backward)
 EVICT      ``0EV3>3``               stage 0 moves micro-batch 3's saved activations to rank 3
 LOAD       ``0LD3<3``               stage 0 brings micro-batch 3's activations back from rank 3
 SEND       ``1S0>2`` / ``2S0>1``    stage 1 sends micro-batch 0 to stage 2 (peer above: the
@@ -21,7 +25,9 @@ RECV       ``2R0<1`` / ``1R0<2``    stage 2 receives micro-batch 0 from stage 1 
 interleaved schedules stage ``c * p + r`` is model chunk ``c`` on rank ``r``; for Chimera stages
 ``p .. 2p-1`` are the second (upward) pipeline. The EVICT/LOAD peer is a *rank* (the acceptor
 holds the activations in its memory); the SEND/RECV peer is a *stage* (what is sent is a stage's
-input or input gradient). The peer is optional in the text form (``0EV3`` parses with
+input or input gradient). A B whose (stage, micro-batch) has a W in the same schedule is the
+input half of a split backward; without one it is the whole backward, so schedules written before
+the split (GPipe, 1F1B, ...) mean what they meant. The peer is optional in the text form (``0EV3`` parses with
 ``peer=None``) so hand-written schedules stay short.
 """
 from __future__ import annotations
@@ -36,6 +42,7 @@ class Kind(str, enum.Enum):
     """What an action does. The value is the letter(s) used in the text form."""
     F = "F"
     B = "B"
+    W = "W"
     EVICT = "EV"
     LOAD = "LD"
     SEND = "S"
@@ -47,16 +54,17 @@ class Kind(str, enum.Enum):
     __str__ = __repr__
 
 
-F, B, EVICT, LOAD, SEND, RECV = Kind.F, Kind.B, Kind.EVICT, Kind.LOAD, Kind.SEND, Kind.RECV
+F, B, W, EVICT, LOAD, SEND, RECV = (Kind.F, Kind.B, Kind.W, Kind.EVICT, Kind.LOAD, Kind.SEND,
+                                    Kind.RECV)
 
 #: Kinds that occupy the compute lane of a rank (one per time step).
-COMPUTE_KINDS = frozenset({F, B})
+COMPUTE_KINDS = frozenset({F, B, W})
 #: Kinds that run alongside compute (the transfer lane; any number per step).
 TRANSFER_KINDS = frozenset({EVICT, LOAD, SEND, RECV})
 # Direction arrow of the peer suffix, per kind ('>' = to the peer, '<' = from the peer).
 _ARROW = {EVICT: ">", LOAD: "<", SEND: ">", RECV: "<"}
 
-_TEXT = re.compile(r"^\s*(\d+)(EV|LD|F|B|S|R)(\d+)(?:([<>])(\d+))?\s*$")
+_TEXT = re.compile(r"^\s*(\d+)(EV|LD|F|B|W|S|R)(\d+)(?:([<>])(\d+))?\s*$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +130,7 @@ class Action:
             raise TypeError(f"Action.parse expects a str, got {type(text).__name__}")
         match = _TEXT.match(text)
         if match is None:
-            raise ValueError(f"not an action: {text!r} (expected e.g. '2F0', '2B0', '0EV3>3', "
+            raise ValueError(f"not an action: {text!r} (expected e.g. '2F0', '2B0', '2W0', '0EV3>3', "
                              f"'0LD3<3', '1S0>2', '2R0<1')")
         stage, letters, mb, arrow, peer = match.groups()
         kind = Kind(letters)

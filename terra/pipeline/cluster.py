@@ -17,7 +17,8 @@ start) and give the client the same spec (see docs/pipeline_executor.md).
 
 Usage: ``python -m terra.pipeline.cluster demo --workers 4`` runs 1F1B and BPipe on 4 local
 workers (inside ``unshare -rn``) and prints a JSON report (gradient errors vs single device,
-ledger and allocator peaks per worker).
+ledger and allocator peaks per worker); ``--schedules zb-h1,zb-v`` runs the zero-bubble schedules
+(ZB-V cuts the model into 2 x workers parts, two per worker).
 """
 from __future__ import annotations
 
@@ -200,22 +201,33 @@ def demo(workers: int, microbatches: int, seq: int, d_model: int, mb_size: int, 
     from terra.pipeline import executor, stage as st
 
     report = {"workers": workers, "runs": {}}
+    rng = np.random.default_rng(0)
+    b = microbatches * mb_size
+    x = rng.integers(0, 64, (b, seq)).astype("int32")
+    y = rng.integers(0, 64, (b, seq)).astype("int32")
+    models = {}
+
+    def model(plan):
+        """The tiny GPT cut into the schedule's model parts, each on its stage's worker, and
+        its single-device loss and gradients (one per part layout)."""
+        key = plan.stage_ranks[:plan.pipe_depth]
+        if key not in models:
+            parts = st.tiny_gpt(plan.pipe_depth, d_model=d_model, seq=seq,
+                                devices=[devices[r] for r in key])
+            variables = [v for part in parts for v in st.trainable_variables(part)]
+            with tf.GradientTape() as tape:
+                h = x
+                for part in parts[:-1]:
+                    h = st.sequential(part)(h)
+                loss = st.lm_loss(y, st.sequential(parts[-1])(h))
+            models[key] = parts, loss, [g.numpy() for g in tape.gradient(loss, variables)]
+        return models[key]
+
     with LocalCluster(workers) as cluster:
         devices = cluster.devices
-        parts = st.tiny_gpt(workers, d_model=d_model, seq=seq, devices=devices)
-        rng = np.random.default_rng(0)
-        b = microbatches * mb_size
-        x = rng.integers(0, 64, (b, seq)).astype("int32")
-        y = rng.integers(0, 64, (b, seq)).astype("int32")
-        variables = [v for part in parts for v in st.trainable_variables(part)]
-        with tf.GradientTape() as tape:
-            h = x
-            for part in parts[:-1]:
-                h = st.sequential(part)(h)
-            ref_loss = st.lm_loss(y, st.sequential(parts[-1])(h))
-        ref = [g.numpy() for g in tape.gradient(ref_loss, variables)]
         for name in schedules:
             sched, *flags = name.split("+")            # e.g. "1f1b+bpipe+sync"
+            parts, ref_loss, ref = model(executor.make_schedule(sched, workers, microbatches))
             trainer = executor.PipelineTrainer(parts, lambda: keras.optimizers.Adam(1e-3),
                                                devices=devices, schedule=sched,
                                                balance="bpipe" if "bpipe" in flags else None,

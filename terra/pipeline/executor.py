@@ -2,7 +2,10 @@
 
 One Python thread per rank walks that rank's steps of the schedule. Each action is dispatched
 through `HANDLERS` (kind -> handler). F and B call the stage's compiled forward/backward pair on
-the stage device; stage outputs and input gradients travel through a `Mailbox`, so a rank waits
+the stage device; where the schedule splits a backward (it has the W), B runs the input half
+only, sends the input gradient upstream and keeps the pack plus what the weight half needs, and
+W computes the weight gradients from those (`StageProgram.backward_input` / `backward_weight`).
+Stage outputs and input gradients travel through a `Mailbox`, so a rank waits
 exactly for its data dependencies (the grid's time steps only fix each rank's order). EVICT and
 LOAD run on a per-rank transfer thread, overlapping the compute of the same step; a rank finishes a
 step only when that step's transfers are done (the schedule's semantics: an EVICT frees the pack at
@@ -24,7 +27,7 @@ import tensorflow as tf
 
 from terra.pipeline import memory as memory_lib
 from terra.pipeline import transport
-from terra.pipeline.actions import B, EVICT, F, LOAD, RECV, SEND
+from terra.pipeline.actions import B, EVICT, F, LOAD, RECV, SEND, W
 from terra.pipeline.stage import StageProgram, lm_loss, sequential, trainable_variables
 
 
@@ -39,6 +42,9 @@ def _schedules():
         table["kfkb"] = lambda p, m, o: s.kfkb(p, m, o.get("k", 2))
     if hasattr(s, "chimera"):
         table["chimera"] = lambda p, m, o: s.chimera(p, m)
+    if hasattr(s, "zb_h1"):
+        table["zb-h1"] = lambda p, m, o: s.zb_h1(p, m)
+        table["zb-v"] = lambda p, m, o: s.zb_v(p, m)
     return table
 
 
@@ -246,9 +252,10 @@ class PipelineTrainer:
         if state.errors:
             raise state.errors[0]
         leftovers = state.mailbox.pending()
-        if leftovers or state.packs or state.evicted:
+        if leftovers or state.packs or state.evicted or state.residuals:
             raise RuntimeError(f"schedule left work undone: mail {leftovers}, packs "
-                               f"{sorted(state.packs)}, evicted {sorted(state.evicted)}")
+                               f"{sorted(state.packs)}, evicted {sorted(state.evicted)}, "
+                               f"weight gradients pending {sorted(state.residuals)}")
         self.last_gradients = self._reduce(state)
         if apply:
             for g, row in enumerate(self.replicas):
@@ -312,6 +319,8 @@ class _StepState:
         self.mailbox = mailbox
         self.packs = {}
         self.evicted = {}
+        self.residuals = {}          # (stage, mb) -> per copy: what B left for W
+        self.split = trainer.schedule.split
         self.grads = {}
         self.losses = {}
         self.labels = {}
@@ -326,7 +335,8 @@ class _StepState:
             for step in range(sch.steps):
                 action = sch.compute[rank][step]
                 transfers = sch.transfers[rank][step]
-                start, end = memory_lib.step_deltas(rank, action, transfers, sch.stage_ranks, pack_bytes)
+                start, end = memory_lib.step_deltas(rank, action, transfers, sch.stage_ranks,
+                                                    pack_bytes, self.split)
                 self.t.ledger.apply(start)
                 before = [a for a in transfers if a.kind is not EVICT or (a.stage, a.microbatch) in self.packs]
                 after = [a for a in transfers if a not in before]
@@ -371,11 +381,15 @@ class _StepState:
             self.packs[key] = packs
 
     def backward(self, rank, a):
+        """B: the whole backward, or its input half where the schedule has this B's W."""
         sch = self.t.schedule
+        key = (a.stage, a.microbatch)
+        split = key in self.split
         with self.lock:
-            packs = self.packs.pop((a.stage, a.microbatch), None)
+            packs = self.packs.get(key) if split else self.packs.pop(key, None)
         if packs is None:
             raise RuntimeError(f"{a}: no saved activations for stage {a.stage} micro-batch {a.microbatch}")
+        residuals = []
         for j, (part, pack) in enumerate(zip(self.t.replicas[a.stage], packs)):
             if part.is_last:
                 with tf.device(part.device):
@@ -384,12 +398,35 @@ class _StepState:
                 grad = self.mailbox.get(("g", a.stage, a.microbatch, j))
             if not pack.resident:
                 raise RuntimeError(f"{a}: activations were evicted and not loaded before the backward")
-            gx, gvars = part.program.backward(pack, grad)
+            if split:
+                gx, residual = part.program.backward_input(pack, grad)
+                residuals.append(residual)
+            else:
+                gx, gvars = part.program.backward(pack, grad)
+                self._accumulate(a.stage, j, part, gvars)
             if sch.prev_stage(a.stage) is not None:
                 self.mailbox.put(("g", a.stage - 1, a.microbatch, j), gx)
-            acc = self.grads.get((a.stage, j))
-            with tf.device(part.device):
-                self.grads[a.stage, j] = gvars if acc is None else self.t._accumulate(acc, gvars)
+        if split:
+            with self.lock:
+                self.residuals[key] = residuals
+
+    def weight(self, rank, a):
+        """W: the weight gradients from what this micro-batch's B left; frees its pack."""
+        key = (a.stage, a.microbatch)
+        with self.lock:
+            packs = self.packs.pop(key, None)
+            residuals = self.residuals.pop(key, None)
+        if packs is None or residuals is None:
+            raise RuntimeError(f"{a}: runs before the B of stage {a.stage} micro-batch {a.microbatch}")
+        for j, (part, pack, residual) in enumerate(zip(self.t.replicas[a.stage], packs, residuals)):
+            if not pack.resident:
+                raise RuntimeError(f"{a}: activations were evicted and not loaded before the W")
+            self._accumulate(a.stage, j, part, part.program.backward_weight(pack, residual))
+
+    def _accumulate(self, stage, j, part, gvars):
+        acc = self.grads.get((stage, j))
+        with tf.device(part.device):
+            self.grads[stage, j] = gvars if acc is None else self.t._accumulate(acc, gvars)
 
     def evict(self, rank, a):
         with self.lock:
@@ -412,5 +449,6 @@ class _StepState:
 
 
 #: Action kind -> handler(state, rank, action).
-HANDLERS = {F: _StepState.forward, B: _StepState.backward, EVICT: _StepState.evict,
-            LOAD: _StepState.load, SEND: _StepState.noop, RECV: _StepState.noop}
+HANDLERS = {F: _StepState.forward, B: _StepState.backward, W: _StepState.weight,
+            EVICT: _StepState.evict, LOAD: _StepState.load, SEND: _StepState.noop,
+            RECV: _StepState.noop}

@@ -4,8 +4,9 @@ The ledger is the source of truth because logical CPUs of one process share one 
 cross-device identity there shares the buffer). Per rank it counts weights, optimizer state,
 gradient accumulators, the activation packs the rank holds for its own stages and the packs it
 accepted from its BPipe partner, with the schedule's semantics (`terra.pipeline.passes`): a pack
-is held from the start of its F step through the end of its B step; an EVICT in step ``t`` is
-counted on the evictor through ``t`` and on the acceptor from ``t``; a LOAD in step ``t`` on the
+is held from the start of its F step through the end of its B step (of its W step where the
+backward is split; the intermediate gradients B leaves for W are not counted); an EVICT in step
+``t`` is counted on the evictor through ``t`` and on the acceptor from ``t``; a LOAD in step ``t`` on the
 evictor from ``t`` and on the acceptor through ``t``. Each step therefore applies its "start"
 deltas, records peaks, then applies its "end" deltas. `schedule_ledger` replays a schedule without running anything; the executor
 keeps a live `Ledger` with the same rules as ranks actually finish their steps.
@@ -22,7 +23,7 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 
-from terra.pipeline.actions import B, EVICT, F, LOAD
+from terra.pipeline.actions import B, EVICT, F, LOAD, W
 
 FIELDS = ("weights", "optimizer", "grads", "held", "accepted")
 
@@ -95,13 +96,17 @@ class Ledger:
             return [r.as_dict() for r in self.ranks]
 
 
-def step_deltas(rank: int, compute, transfers, stage_rank, pack_bytes) -> tuple[list, list]:
-    """(start, end) ledger deltas of one rank's schedule step (rules in the module docstring)."""
+def step_deltas(rank: int, compute, transfers, stage_rank, pack_bytes,
+                split=frozenset()) -> tuple[list, list]:
+    """(start, end) ledger deltas of one rank's schedule step (rules in the module docstring);
+    ``split``: the (stage, micro-batch) pairs whose pack lives until their W (`Schedule.split`)."""
     start, end = [], []
     if compute is not None:
         n = pack_bytes[compute.stage]
-        (start if compute.kind is F else end).append((rank, "held", n if compute.kind is F else -n,
-                                                      1 if compute.kind is F else -1))
+        if compute.kind is F:
+            start.append((rank, "held", n, 1))
+        elif compute.kind is W or (compute.stage, compute.microbatch) not in split:
+            end.append((rank, "held", -n, -1))
     for a in transfers:
         if a.kind not in (EVICT, LOAD):
             continue
@@ -122,13 +127,14 @@ def schedule_ledger(schedule, pack_bytes: Sequence[int], static: Optional[Sequen
     `Ledger`. ``pack_bytes[stage]`` is one micro-batch's pack size; ``static[rank]`` may give
     weights/optimizer/grads bytes."""
     ledger = Ledger(schedule.p)
+    split = schedule.split
     for rank, values in enumerate(static or []):
         ledger.set_static(rank, **values)
     for t in range(schedule.steps):
         start, end = [], []
         for rank in range(schedule.p):
             a, b = step_deltas(rank, schedule.compute[rank][t], schedule.transfers[rank][t],
-                               schedule.stage_ranks, pack_bytes)
+                               schedule.stage_ranks, pack_bytes, split)
             start += a
             end += b
         ledger.apply(start)

@@ -6,7 +6,8 @@
   ``mu_opt = ceil((p+2)/2)``; on anything else (interleaved, kFkB, Chimera, hand-made) it runs
   the general form: Belady's rule (when the evictor would exceed ``mu_opt`` at step ``t``, evict
   at step ``t-1`` the saved micro-batch whose backward is furthest in the future; load it in the
-  step before that backward), with ``mu_opt = max over pairs ceil((mu(e) + mu(a) + 1) / 2)``,
+  step before that backward; a split backward's W runs on the loaded activations, which stay
+  until it), with ``mu_opt = max over pairs ceil((mu(e) + mu(a) + 1) / 2)``,
   which is ``p v + 1`` for interleaved 1F1B (BPipe appendix A) and ``ceil((p+2)/2)`` for 1F1B.
 * `add_send_recv`: a SEND/RECV pair for every dependency between stages on different ranks
   (activations forward, input gradients backward).
@@ -23,7 +24,7 @@ import math
 from dataclasses import replace
 from typing import Optional
 
-from terra.pipeline.actions import Action, EVICT, F, LOAD, RECV, SEND
+from terra.pipeline.actions import Action, B, EVICT, F, LOAD, RECV, SEND, W
 from terra.pipeline.schedules.base import Schedule, action_deps
 from terra.pipeline.schedules.one_f_one_b import one_f_one_b_order
 
@@ -39,20 +40,23 @@ def pairs(p: int) -> list[tuple[int, int]]:
     return [(r, p - 1 - r) for r in range(p // 2)]
 
 
-def items(schedule: Schedule, rank: int) -> dict[tuple[int, int], tuple[int, int]]:
-    """{(stage, micro-batch): (forward step, backward step)} for the activations ``rank`` saves."""
-    f_at, b_at = {}, {}
+def items(schedule: Schedule, rank: int) -> dict[tuple[int, int], tuple[int, int, int]]:
+    """{(stage, micro-batch): (forward step, backward step, last step)} for the activations
+    ``rank`` saves. The last step is the W's where the backward is split (W reads what B read),
+    the B's otherwise; the activations must be resident from the B on."""
+    at = {F: {}, B: {}, W: {}}
     for t, a in enumerate(schedule.compute[rank]):
         if a is not None:
-            (f_at if a.kind is F else b_at)[(a.stage, a.microbatch)] = t
-    return {key: (f, b_at[key]) for key, f in f_at.items() if key in b_at}
+            at[a.kind][(a.stage, a.microbatch)] = t
+    return {key: (f, at[B][key], at[W].get(key, at[B][key]))
+            for key, f in at[F].items() if key in at[B]}
 
 
 def live_counts(schedule: Schedule, rank: int) -> list[int]:
-    """Micro-batches ``rank`` holds at each step with no transfers: forward step .. backward step."""
+    """Micro-batches ``rank`` holds at each step with no transfers: forward step .. last step."""
     counts = [0] * schedule.steps
-    for f, b in items(schedule, rank).values():
-        for t in range(f, b + 1):
+    for f, _, end in items(schedule, rank).values():
+        for t in range(f, end + 1):
             counts[t] += 1
     return counts
 
@@ -129,7 +133,7 @@ def belady(schedule: Schedule, rank: int, capacity: int,
     spans = items(schedule, rank)
     accepting = live_counts(schedule, acceptor) if acceptor is not None else None
     starts: dict[int, list] = {}
-    for key, (f, _) in spans.items():
+    for key, (f, _, _) in spans.items():
         starts.setdefault(f, []).append(key)
     returns: dict[int, list] = {}            # load step -> keys coming back
     held: set = set()
@@ -138,7 +142,7 @@ def belady(schedule: Schedule, rank: int, capacity: int,
     for t in range(schedule.steps):
         held.update(starts.get(t, ()))
         held.update(returns.get(t, ()))
-        held.difference_update([k for k in held if spans[k][1] < t])
+        held.difference_update([k for k in held if spans[k][2] < t])
         excess = len(held) - capacity
         while excess > 0:
             candidates = [k for k in held if k not in evicted

@@ -169,6 +169,7 @@ class StageProgram:
                 raise ValueError(f"stage variable {v.name} is not used by the stage function")
             self._var_grad.append(pos)
         self.output_grad_needed = pair.num_output_grads == 1
+        self._split = None
 
     # --------------------------------------------------------------------------------- calls
     def forward(self, x, labels=None):
@@ -180,16 +181,45 @@ class StageProgram:
 
     def backward(self, pack: Pack, output_grad):
         """Run the backward; returns (input gradient or None, [variable gradients])."""
-        if not pack.resident:
-            raise RuntimeError("backward on an evicted pack: load it first")
-        side = iter(pack.tensors)
-        captures = [next(side) if kind == "side" else src
-                    for kind, src in self._pair.capture_sources]
-        grads_in = [output_grad] if self.output_grad_needed else []
+        grads_in, captures = self._backward_args(pack, output_grad)
         with tf.device(self.device):
             grads = self._pair.backward(grads_in, captures)
         var_grads = [_dense(grads[i]) for i in self._var_grad]
         return _dense(grads[0]), var_grads
+
+    # ------------------------------------------------------------ split backward (B, then W)
+    @property
+    def split(self):
+        """The backward cut into its input half and weight half (`_tf_private.split_backward`),
+        built on first use: only zero-bubble schedules need it."""
+        if self._split is None:
+            self._split = _tf_private.split_backward(self._pair, range(self._num_args), self._var_grad)
+        return self._split
+
+    def _backward_args(self, pack: Pack, output_grad):
+        if not pack.resident:
+            raise RuntimeError("backward on an evicted pack: load it first")
+        side = iter(pack.tensors)
+        captures = [next(side) if kind == "side" else src for kind, src in self._pair.capture_sources]
+        return ([output_grad] if self.output_grad_needed else []), captures
+
+    def backward_input(self, pack: Pack, output_grad):
+        """B: the input gradient (or None) and the residual that `backward_weight` needs (the
+        output gradient and the intermediate gradients B computed on the way). The pack stays
+        owned by the caller until W."""
+        grads_in, captures = self._backward_args(pack, output_grad)
+        with tf.device(self.device):
+            grads, saved = self.split.input_grads(grads_in, captures)
+        return _dense(grads[0]), (grads_in, saved)
+
+    def backward_weight(self, pack: Pack, residual):
+        """W: the variable gradients, from B's residual and the pack (no forward, no input-gradient
+        work is redone)."""
+        grads_in, saved = residual
+        _, captures = self._backward_args(pack, None)
+        with tf.device(self.device):
+            grads = self.split.weight_grads(saved, grads_in, captures)
+        return [_dense(g) for g in grads]
 
     def __repr__(self):
         return (f"StageProgram(device={self.device!r}, vars={len(self.variables)}, "

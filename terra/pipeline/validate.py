@@ -5,14 +5,16 @@
 the rank x step grid with each offending action marked ``!`` (e.g. ``[2B3]!`` appears as
 ``2B3!``). Checks, in order:
 
-* placement: F/B only in the compute lane, transfers only in the transfer lane, every action on
+* placement: F/B/W only in the compute lane, transfers only in the transfer lane, every action on
   the rank that runs its stage, stage and micro-batch ids in range;
-* coverage: each (stage, F/B, micro-batch) at most once, and each micro-batch runs F and B on
-  every stage of exactly one pipeline (Chimera: of one of its two pipelines);
+* coverage: each (stage, F/B/W, micro-batch) at most once, and each micro-batch runs F and B on
+  every stage of exactly one pipeline (Chimera: of one of its two pipelines); a W is optional
+  (without it the B is the whole backward);
 * dependencies (unit-time steps): F of stage s needs F of stage s-1 in an earlier step; B of
-  stage s needs F of stage s and B of stage s+1 in earlier steps;
+  stage s needs F of stage s and B of stage s+1 in earlier steps; W needs the B of its stage;
 * EVICT/LOAD: an eviction happens after the forward step and is matched by a LOAD before the
-  backward step; a LOAD follows an EVICT of the same activations; peers are other ranks;
+  backward step; a LOAD follows an EVICT of the same activations; peers are other ranks (a
+  split backward's W reads the same activations as its B, so they stay put from B to W);
 * SEND/RECV (when the schedule has any): every cross-rank dependency has a SEND on the producer
   at or after the producing step and a matching RECV on the consumer after the SEND and at or
   before the consuming step, and every SEND/RECV is matched;

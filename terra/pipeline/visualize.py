@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from terra.pipeline.actions import B, EVICT, F, LOAD, format_cell
+from terra.pipeline.actions import B, EVICT, F, LOAD, W, format_cell
 
 
 def timeline(result, max_steps: Optional[int] = None) -> str:
@@ -27,12 +27,12 @@ def timeline(result, max_steps: Optional[int] = None) -> str:
     return "\n".join(lines)
 
 
-_COLORS = {F: "#4C72B0", B: "#55A868"}
+_COLORS = {F: "#4C72B0", B: "#55A868", W: "#8172B3"}
 
 
 def plot(result, path, title: Optional[str] = None) -> str:
-    """Rank x time chart: F (blue) and B (green) boxes labelled with micro-batch (and stage when a
-    rank runs several), red down-triangles for EVICT and orange up-triangles for LOAD (with the
+    """Rank x time chart: F (blue), B (green) and W (purple) boxes labelled with micro-batch (and
+    stage when a rank runs several), red down-triangles for EVICT and orange up-triangles for LOAD (with the
     micro-batch) above the box, and the held count as a step line under each rank. Rendered on
     an Agg canvas directly, so pyplot's global backend is left alone."""
     import matplotlib
@@ -66,12 +66,15 @@ def plot(result, path, title: Optional[str] = None) -> str:
         xs = [t + 0.5 for t in range(T)]
         ys = [y + 0.04 + 0.26 * n / peak for n in result.held[r]]
         ax.step(xs, ys, where="mid", color="black", linewidth=0.7)
+    split = bool(schedule.split)
     handles = [matplotlib.patches.Patch(color=_COLORS[F], label="forward"),
-               matplotlib.patches.Patch(color=_COLORS[B], label="backward"),
-               matplotlib.lines.Line2D([], [], marker="v", color="#C44E52", linestyle="", label="evict"),
-               matplotlib.lines.Line2D([], [], marker="^", color="#DD8452", linestyle="", label="load"),
-               matplotlib.lines.Line2D([], [], color="black", linewidth=0.7, label="held")]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=5,
+               matplotlib.patches.Patch(color=_COLORS[B], label="input grad" if split else "backward")]
+    if split:
+        handles.append(matplotlib.patches.Patch(color=_COLORS[W], label="weight grad"))
+    handles += [matplotlib.lines.Line2D([], [], marker="v", color="#C44E52", linestyle="", label="evict"),
+                matplotlib.lines.Line2D([], [], marker="^", color="#DD8452", linestyle="", label="load"),
+                matplotlib.lines.Line2D([], [], color="black", linewidth=0.7, label="held")]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(handles),
               fontsize=7, frameon=False)
     ax.set_xlim(0, T)
     ax.set_ylim(0, p)

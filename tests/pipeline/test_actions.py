@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from terra.pipeline.actions import (Action, B, EVICT, F, Kind, LOAD, RECV, SEND, format_cell,
+from terra.pipeline.actions import (Action, B, EVICT, F, Kind, LOAD, RECV, SEND, W, format_cell,
                                     parse_cell)
 
 
@@ -21,6 +21,7 @@ def test_parse_round_trips(action):
 @pytest.mark.parametrize("text,expected", [
     ("2F0", Action(2, F, 0)),
     ("2B0", Action(2, B, 0)),
+    ("2W0", Action(2, W, 0)),
     ("0EV3>3", Action(0, EVICT, 3, 3)),
     ("0LD3<3", Action(0, LOAD, 3, 3)),
     ("0EV3", Action(0, EVICT, 3)),
@@ -42,7 +43,7 @@ def test_payload_direction():
     assert Action.parse("2F0").payload is None
 
 
-@pytest.mark.parametrize("text", ["", "F0", "2X0", "2F", "2F0>1", "0EV3<3", "0LD3>3", "-1F0", "2 F 0"])
+@pytest.mark.parametrize("text", ["", "F0", "2X0", "2F", "2F0>1", "2W0<1", "0EV3<3", "0LD3>3", "-1F0", "2 F 0"])
 def test_parse_rejects(text):
     with pytest.raises(ValueError, match="not an action"):
         Action.parse(text)

@@ -15,8 +15,9 @@ LR = 1e-3
 
 def _run(p, schedule, balance, m=8, **options):
     devices = logical_cpus(p)
-    nparts = p * options.get("v", 1) if schedule == "interleaved" else p
-    parts = st.tiny_gpt(nparts, devices=[devices[k % p] for k in range(nparts)])
+    plan = schedule if not isinstance(schedule, str) else ex.make_schedule(schedule, p, m, **options)
+    nparts = plan.pipe_depth
+    parts = st.tiny_gpt(nparts, devices=[devices[plan.stage_ranks[k]] for k in range(nparts)])
     replicas = (st.tiny_gpt(nparts, devices=[devices[p - 1 - k] for k in range(nparts)])
                 if schedule == "chimera" else None)
     x, y = batch(2 * m)
@@ -38,9 +39,12 @@ def _run(p, schedule, balance, m=8, **options):
     return trainer
 
 
-CASES = [("1f1b", {}), ("gpipe", {}), ("interleaved", {"v": 2}), ("kfkb", {"k": 2}), ("chimera", {})]
+CASES = [("1f1b", {}), ("gpipe", {}), ("interleaved", {"v": 2}), ("kfkb", {"k": 2}), ("chimera", {}),
+         ("zb-h1", {}), ("zb-v", {})]
 # The default suite runs each schedule once (BPipe where it moves something); the rest is slow.
-DEFAULT = {("gpipe", None), ("interleaved", "bpipe"), ("kfkb", "bpipe"), ("chimera", "bpipe")}
+# BPipe moves nothing on ZB-H1 and ZB-V: every rank already holds p micro-batches at its peak.
+DEFAULT = {("gpipe", None), ("interleaved", "bpipe"), ("kfkb", "bpipe"), ("chimera", "bpipe"),
+           ("zb-h1", None), ("zb-v", None)}
 
 
 def _four(schedule, options, balance):
@@ -50,6 +54,10 @@ def _four(schedule, options, balance):
         assert moves > 0, "BPipe should move activations on 4 stages"
     if balance is None:
         assert moves == 0
+    split = schedule.startswith("zb")
+    assert all((part.program._split is not None) == split for part in trainer.parts)
+    if split and balance is None:  # packs live until their W: p per rank at the peak
+        assert [r["peak_packs"] for r in trainer.memory_report()] == [8 if schedule == "zb-v" else 4] * 4
     return trainer
 
 
@@ -70,6 +78,25 @@ def test_1f1b_with_and_without_bpipe_match_and_bpipe_cuts_first_stage_peak():
     assert report[0]["peak_activation"] == mu_opt * bpipe.pack_bytes[0]
     assert all(r["peak_packs"] <= mu_opt for r in report)
     assert report[3]["accepted_packs"] == 0 and report[0]["held_packs"] == 0  # all returned
+
+
+def test_split_backward_with_evict_load_matches_and_w_keeps_the_pack():
+    """1F1B with each backward split in place (W right after B) keeps 1F1B's imbalance, so
+    BPipe moves packs; a pack evicted and loaded back serves both its B and its W."""
+    from terra.pipeline import Action, W, add_evict_load, simulate
+    from terra.pipeline.schedules import from_orders, one_f_one_b
+    plain = one_f_one_b(4, 8)
+    orders = [[x for a in plain.compute_order(r)
+               for x in ((a, Action(a.stage, W, a.microbatch)) if a.kind.name == "B" else (a,))]
+              for r in range(4)]
+    split = from_orders("1f1b-split", 4, 8, orders, stage_ranks=range(4), pipe_depth=4)
+    schedule = add_evict_load(split)
+    assert sum(1 for _, _, a in schedule.actions() if a.kind is EVICT) == 3
+    trainer = _run(4, schedule, None)
+    assert all(part.program._split is not None for part in trainer.parts)
+    report = trainer.memory_report()
+    assert [r["peak_packs"] for r in report] == list(simulate(schedule).peak_microbatches) == [3, 3, 2, 3]
+    assert all(r["held_packs"] == r["accepted_packs"] == 0 for r in report)
 
 
 @pytest.mark.slow

@@ -160,10 +160,10 @@ def brute_force_min_evictions(schedule, rank, capacity):
     widest windows are always best for the evictor, so trying every subset in increasing size
     is exhaustive."""
     spans = items(schedule, rank)
-    keys = [k for k, (f, b) in spans.items() if b - f >= 4]  # others can never be away
+    keys = [k for k, (f, b, _) in spans.items() if b - f >= 4]  # others can never be away
     base = [0] * schedule.steps
-    for f, b in spans.values():
-        for t in range(f, b + 1):
+    for f, _, end in spans.values():
+        for t in range(f, end + 1):
             base[t] += 1
     if max(base) <= capacity:
         return 0
@@ -171,7 +171,7 @@ def brute_force_min_evictions(schedule, rank, capacity):
         for subset in itertools.combinations(keys, n):
             counts = list(base)
             for k in subset:
-                f, b = spans[k]
+                f, b, _ = spans[k]
                 for t in range(f + 2, b - 1):
                     counts[t] -= 1
             if max(counts) <= capacity:

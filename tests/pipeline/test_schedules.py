@@ -6,9 +6,10 @@ import itertools
 
 import pytest
 
-from terra.pipeline import B, F, Action, Schedule
-from terra.pipeline.passes import live_counts
-from terra.pipeline.schedules import chimera, from_orders, gpipe, interleaved_1f1b, kfkb, one_f_one_b
+from terra.pipeline import B, F, W, Action, Schedule
+from terra.pipeline.passes import add_evict_load, live_counts
+from terra.pipeline.schedules import (chimera, from_orders, gpipe, interleaved_1f1b, kfkb,
+                                      one_f_one_b, zb_h1, zb_v)
 from terra.pipeline.validate import problems
 
 PS = range(2, 17)
@@ -31,13 +32,13 @@ CHIMERA_CASES = [(p, m) for p in range(2, 17, 2) for m in multiples(p)]
 
 
 def check_invariants(s: Schedule):
-    """Coverage, per-stage F-before-B, stage dependencies, and deadlock-free replay."""
+    """Coverage, per-stage F-before-B(-before-W), stage dependencies, and deadlock-free replay."""
     where = {}
     for r in range(s.p):
         for t, a in enumerate(s.compute[r]):
             if a is None:
                 continue
-            assert a.kind in (F, B), a
+            assert a.kind in (F, B, W), a
             assert a not in where, f"{a} appears twice"
             assert s.stage_ranks[a.stage] == r, f"{a} on rank {r}"
             where[a] = t
@@ -53,7 +54,11 @@ def check_invariants(s: Schedule):
                 assert where[Action(stage - 1, F, mb)] < f
             if (stage + 1) % depth:
                 assert where[Action(stage + 1, B, mb)] < b
-    assert len(where) == 2 * s.m * depth
+            if Action(stage, W, mb) in where:
+                assert where[Action(stage, W, mb)] > b
+    weights = sum(1 for a in where if a.kind is W)
+    assert weights in (0, s.m * depth), "split all backwards or none"
+    assert len(where) == 2 * s.m * depth + weights
     # deadlock freedom without the clock: each rank blocks on its next action
     orders = [[a for a in s.compute[r] if a is not None] for r in range(s.p)]
     done, pos, moved = set(), [0] * s.p, True
@@ -62,7 +67,8 @@ def check_invariants(s: Schedule):
         for r in range(s.p):
             while pos[r] < len(orders[r]):
                 a = orders[r][pos[r]]
-                deps = [Action(a.stage, F, a.microbatch)] if a.kind is B else []
+                deps = ([Action(a.stage, F, a.microbatch)] if a.kind is B else
+                        [Action(a.stage, B, a.microbatch)] if a.kind is W else [])
                 if a.kind is F and a.stage % depth:
                     deps.append(Action(a.stage - 1, F, a.microbatch))
                 if a.kind is B and (a.stage + 1) % depth:
@@ -213,6 +219,82 @@ def test_schedule_rejects_bad_cells():
         Schedule("x", 1, 1, ((None,),), stage_ranks=(0, 1), pipe_depth=1)
     with pytest.raises(ValueError, match="multiple of pipe_depth"):
         Schedule("x", 1, 1, ((None,),), stage_ranks=(0, 0, 0), pipe_depth=2)
+
+
+@pytest.mark.parametrize("p,m", PLAIN_CASES)
+def test_zb_h1(p, m):
+    s = zb_h1(p, m)
+    check_invariants(s)
+    # every rank holds p micro-batches at its peak (1F1B's stage 0), none more
+    assert peaks(s) == [p] * p
+    assert s.steps == 3 * m + p - 1  # unit F, B, W: only the ramp of p - 1 steps is idle
+    for r in range(p):
+        order = s.compute_order(r)
+        kinds = [a.kind for a in order]
+        assert kinds[:p - r] == [F] * (p - r) and kinds[p - r] is B   # 1F1B's warm-up
+        first_w = kinds.index(W)
+        assert kinds[:first_w].count(B) == r + 1                      # stage r defers r Ws
+        ws = [a.microbatch for a in order if a.kind is W]
+        assert ws == list(range(m))
+
+
+@pytest.mark.parametrize("p,m", PLAIN_CASES)
+def test_zb_v(p, m):
+    s = zb_v(p, m)
+    check_invariants(s)
+    assert s.num_stages == s.pipe_depth == 2 * p and s.v == 2
+    assert s.stage_ranks == tuple(range(p)) + tuple(reversed(range(p)))
+    assert all(s.stages_of(r) == (r, 2 * p - 1 - r) for r in range(p))
+    if m >= 2 * p - 1:
+        assert s.steps == 6 * m + p - 1
+        assert peaks(s) == [2 * p] * p   # 2p half-size stages: 1F1B's stage-0 peak
+
+
+def test_zb_v_rank_orders():
+    """p = 2, m = 3, worked by hand from the phase rules in the module docstring: rank 0 warms
+    up with 3 down Fs (2(p - r) - 1) and 2 up F-B-W triples; rank 1 with 1 down F, 1 down/up
+    F pair and 1 up triple, and defers the Ws of its cool-down Bs to the tail."""
+    s = zb_v(2, 3)
+    text = [" ".join(map(str, s.compute_order(r))) for r in range(2)]
+    assert text == ["0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 3W1 0B0 0W0 3F2 3B2 3W2 0B1 0W1 0B2 0W2",
+                    "1F0 2F0 1F1 2F1 2B0 2W0 1F2 1B0 1W0 2F2 2B1 2W1 1B1 2B2 1B2 1W1 2W2 1W2"]
+
+
+@pytest.mark.parametrize("make", [zb_h1, zb_v])
+def test_zero_bubble_rejects_bad_sizes(make):
+    with pytest.raises(ValueError, match="positive int"):
+        make(4, 0)
+
+
+def test_bpipe_on_zero_bubble_moves_nothing():
+    """ZB-H1 and ZB-V hold p (ZB-V: 2p half stages) on every rank: balanced already, so
+    mu_opt is one above every peak and the pass adds no transfer; below it, the partner is
+    full too."""
+    from terra.pipeline.passes import Infeasible
+    for s in (zb_h1(4, 8), zb_v(4, 8)):
+        out = add_evict_load(s)
+        assert not out.has_transfers and out.compute == s.compute
+    assert add_evict_load(zb_h1(4, 8)).name == "bpipe(mu=5, zb-h1)"
+    with pytest.raises(Infeasible, match="without rank 3 exceeding 3"):
+        add_evict_load(zb_h1(4, 8), capacity=3)
+
+
+@pytest.mark.slow
+def test_zero_bubble_sweep():
+    """Every p in 2..16 and m in p..4p: ZB-H1 and ZB-V valid, with their step counts, peaks,
+    BPipe's pass a valid no-op, and CSV round trips."""
+    from terra.pipeline.validate import problems as check
+    for p in range(2, 17):
+        for m in range(p, 4 * p + 1):
+            h1, v = zb_h1(p, m), zb_v(p, m)
+            check_invariants(h1)
+            check_invariants(v)
+            assert h1.steps == 3 * m + p - 1 and peaks(h1) == [p] * p
+            if m >= 2 * p - 1:
+                assert v.steps == 6 * m + p - 1 and peaks(v) == [2 * p] * p
+            for s in (h1, v):
+                out = add_evict_load(s)
+                assert not out.has_transfers and check(out) == []
 
 
 def test_from_orders_reports_deadlock():

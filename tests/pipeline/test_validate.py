@@ -5,7 +5,7 @@ import pytest
 
 from terra.pipeline import Action, Schedule
 from terra.pipeline.passes import add_evict_load, add_send_recv
-from terra.pipeline.schedules import chimera, interleaved_1f1b, kfkb, one_f_one_b
+from terra.pipeline.schedules import chimera, interleaved_1f1b, kfkb, one_f_one_b, zb_h1, zb_v
 from terra.pipeline.validate import ScheduleError, problems, validate
 
 
@@ -22,7 +22,8 @@ def edit(schedule, rank, changes=None, transfers=None):
 
 
 @pytest.mark.parametrize("s", [one_f_one_b(4, 8), kfkb(4, 8, 2), interleaved_1f1b(4, 8, 2),
-                               chimera(4, 8), add_send_recv(add_evict_load(one_f_one_b(6, 12)))],
+                               chimera(4, 8), add_send_recv(add_evict_load(one_f_one_b(6, 12))),
+                               zb_h1(4, 8), zb_v(4, 8), add_send_recv(zb_v(3, 6))],
                          ids=repr)
 def test_valid_schedules_pass(s):
     assert problems(s) == []
@@ -126,3 +127,33 @@ def test_send_recv_errors():
 def test_validate_type_error():
     with pytest.raises(TypeError, match="Schedule"):
         problems("1F0")
+
+
+def test_weight_gradient_errors():
+    s = zb_h1(2, 2)
+    # stage 1 defers one W: 1F0 1B0 1F1 1B1 1W0 1W1 from step 1 on
+    assert [str(a) for a in s.compute[1]] == ["None", "1F0", "1B0", "1F1", "1B1", "1W0", "1W1"]
+    early = edit(s, 1, {2: "1W0", 5: "1B0"})
+    assert ("rank 1 step 2: [1W0] depends on 1B0 at step 5 (must finish in an earlier step)"
+            in [str(p) for p in problems(early)])
+    twice = edit(s, 1, {6: "1W0"})
+    msgs = [str(p) for p in problems(twice)]
+    assert "rank 1 step 6: [1W0] runs twice (also at rank 1 step 5)" in msgs
+    one_split = edit(one_f_one_b(2, 2), 1, {5: "1W0"})   # split one backward of 1F1B: fine
+    assert problems(one_split) == [] and one_split.split == {(1, 0)}
+    no_b = edit(s, 1, {2: None})
+    assert any("[1W0] depends on 1B0, which never runs" in str(p) for p in problems(no_b))
+    with pytest.raises(ValueError, match="W actions take no peer"):
+        Action(1, "W", 0, peer=2)
+    misplaced = edit(s, 0, transfers={0: ("0W0",)})
+    assert any("W belongs in the compute lane" in str(p) for p in problems(misplaced))
+
+
+def test_evicting_between_b_and_w_is_refused():
+    """W reads the activations B read: they may not leave between the two."""
+    s = zb_h1(4, 8)
+    b_at = s.compute[0].index(Action.parse("0B0"))
+    assert s.compute[0][b_at + 1] == Action.parse("0W0")
+    between = edit(s, 0, transfers={b_at: ("0EV0>3",)})
+    assert any("[0EV0>3] evicts activations after their backward" in str(p)
+               for p in problems(between))

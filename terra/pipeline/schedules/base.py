@@ -2,8 +2,10 @@
 
 A schedule has two lanes per rank, both indexed by time step:
 
-* ``compute[r][t]``: the F or B action rank ``r`` runs in step ``t``, or ``None`` (a bubble).
-  Every F and B takes exactly one step (unit time; B is not modelled as longer).
+* ``compute[r][t]``: the F, B or W action rank ``r`` runs in step ``t``, or ``None`` (a bubble).
+  Every action takes exactly one step (unit time; `terra.pipeline.simulate` puts costs on them).
+  A B is the whole backward unless the schedule also has the W of its (stage, micro-batch):
+  then B is the input gradient and W the weight gradient (`Schedule.split`).
 * ``transfers[r][t]``: a tuple of EVICT / LOAD / SEND / RECV actions rank ``r`` runs *alongside*
   its compute in step ``t`` (transfers overlap compute, as in BPipe). An EVICT in step ``t`` frees
   the evictor's copy at the end of ``t``; a LOAD in step ``t`` makes the activations available
@@ -23,7 +25,7 @@ import io
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional, Sequence
 
-from terra.pipeline.actions import Action, B, F, format_cell, parse_cell
+from terra.pipeline.actions import Action, B, F, W, format_cell, parse_cell
 
 Cell = Optional[Action]
 
@@ -123,8 +125,15 @@ class Schedule:
                     yield r, t, a
 
     def compute_order(self, rank: int) -> list[Action]:
-        """Rank's F/B actions in execution order (bubbles dropped)."""
+        """Rank's F/B/W actions in execution order (bubbles dropped)."""
         return [a for a in self.compute[rank] if a is not None]
+
+    @property
+    def split(self) -> frozenset:
+        """(stage, micro-batch) pairs whose backward is split: the schedule runs their W, so
+        their B is the input gradient only and their activations live until the W."""
+        return frozenset((a.stage, a.microbatch) for row in self.compute for a in row
+                         if a is not None and a.kind is W)
 
     @property
     def has_transfers(self) -> bool:
@@ -220,6 +229,10 @@ def format_grid(schedule: Schedule, marks: Optional[dict] = None, transfers: boo
 
 # ------------------------------------------------------------------------------ list scheduler
 def action_deps(action: Action, next_stage, prev_stage) -> list[Action]:
+    """What ``action`` waits for: F the previous stage's F; B its own F and the next stage's B
+    (the input gradient, never the next stage's W); W its own B."""
+    if action.kind is W:
+        return [Action(action.stage, B, action.microbatch)]
     if action.kind is F:
         prev = prev_stage(action.stage)
         return [] if prev is None else [Action(prev, F, action.microbatch)]
@@ -235,7 +248,8 @@ def from_orders(name: str, p: int, m: int, orders: Sequence[Sequence[Action]],
     """Turn per-rank execution orders into a time-step grid.
 
     Each rank runs its next action in the first step where all of its dependencies finished in an
-    earlier step (F needs the previous stage's F; B needs the next stage's B and its own F), so
+    earlier step (F needs the previous stage's F; B needs the next stage's B and its own F; W
+    its own B), so
     the grid is the as-soon-as-possible execution of the orders with unit-time actions. Raises
     ValueError if the orders deadlock (no rank can ever make progress)."""
     shape = Schedule(name=name, p=p, m=m, v=v, compute=((),) * p, stage_ranks=stage_ranks,
