@@ -25,6 +25,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.run
 	$(PY) -m benchmarks.real
 	$(PY) -m benchmarks.fit
+	$(PY) -m benchmarks.soak
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.run --quick
@@ -32,7 +33,7 @@ bench-quick: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-.PHONY: bench-coexec bench-pipeline bench-real bench-fit results
+.PHONY: bench-coexec bench-pipeline bench-real bench-fit bench-soak results
 bench-coexec: $(STAMP)
 	$(PY) -m benchmarks.coexec
 
@@ -41,6 +42,9 @@ bench-real: $(STAMP)
 
 bench-fit: $(STAMP)
 	$(PY) -m benchmarks.fit
+
+bench-soak: $(STAMP)
+	$(PY) -m benchmarks.soak
 
 bench-pipeline: $(STAMP)
 	$(PY) benchmarks/pipeline.py

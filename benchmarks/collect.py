@@ -21,6 +21,7 @@ SECTIONS = (
     ("pipeline.md", "python benchmarks/pipeline.py"),
     ("real.md", "make bench-real  (python -m benchmarks.real)"),
     ("fit.md", "make bench-fit  (python -m benchmarks.fit)"),
+    ("soak.md", "make bench-soak  (python -m benchmarks.soak)"),
 )
 
 
