@@ -31,7 +31,7 @@ HOST_OPS = frozenset({
 # Ops whose kernels raise only for shapes and dtypes, which a compiled path fixes, never for a
 # value (no index, size or divisor taken from a tensor): inside a program's `try`/`except`, any
 # other op is a sync point, so that its error is raised there, as in eager
-# (terra/runtime/python_runner.py, `PathView.barriers`).
+# (terra/runtime/path_view.py, `barrier_records`).
 VALUE_SAFE_OPS = frozenset({
     "Identity", "IdentityN", "StopGradient", "ReadVariableOp", "Cast", "Shape", "ShapeN", "Size",
     "Rank", "ZerosLike", "OnesLike", "Const",

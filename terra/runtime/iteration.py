@@ -17,7 +17,8 @@ from terra.runtime.executable import Executable, PathRun
 from terra.runtime.graph_runner import extended_error
 from terra.runtime.iteration_end import IterationEnd
 from terra.runtime.placeholders import Placeholder
-from terra.runtime.python_runner import UNSET, Divergence, PythonRunner, placeholder_ref, user_line
+from terra.runtime.divergence import Divergence, user_line
+from terra.runtime.python_runner import UNSET, PythonRunner, placeholder_ref
 from terra.tracing import hook
 
 

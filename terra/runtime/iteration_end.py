@@ -12,7 +12,7 @@ from terra import _tf_private as tfp
 from terra.config import CONFIG
 from terra.errors import TerraRuntimeError
 from terra.runtime.held import kept_unresolved
-from terra.runtime.python_runner import Divergence, user_line
+from terra.runtime.divergence import Divergence, user_line
 from terra.tracing import hook
 
 FAILED = object()  # a run's result when it raised (a site graph's function returns None)

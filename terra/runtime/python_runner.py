@@ -17,76 +17,19 @@ placeholder itself, so op wrappers hand it to the hook instead of fetching its v
 """
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 import tensorflow as tf
 
 from terra import _tf_private as tfp
-from terra.ir.op_kinds import HOST_OPS, VALUE_SAFE_OPS
-from terra.ir.records import (FRAME_TRIES, ConstRef, FeedRef, Fetch, OutputRef, Trace,
-                              VariableRef)
+from terra.ir.op_kinds import HOST_OPS
+from terra.ir.records import ConstRef, FeedRef, Fetch, OutputRef, VariableRef
+from terra.runtime.divergence import PAST_END, Diverged, Divergence, user_line
+from terra.runtime.path_view import PathView
 from terra.runtime.placeholders import Placeholder
 from terra.tracing import hook
-from terra.tracing.locations import code_info
 from terra.tracing.recorder import frozen_value, is_python_value, freeze_attr
-
-
-PAST_END = "op after the end of the path"
-
-# ------------------------------------------------------------------------------------ records
-@dataclass(frozen=True, slots=True)
-class Divergence:
-    """Why a skipped iteration left its path: at op `position` the path expected `expected`, the
-    program did `observed`, issued from the user's source line `location`."""
-    location: str
-    expected: str
-    observed: str
-    position: int
-    reason: str
-
-    def __str__(self) -> str:
-        return (f"{self.reason} at op #{self.position} ({self.location}): expected {self.expected}, "
-                f"observed {self.observed}")
-
-
-class Diverged(Exception):
-    """Raised inside the runner when the program leaves the path; carries the `Divergence`."""
-
-    def __init__(self, divergence: Divergence):
-        super().__init__(str(divergence))
-        self.divergence = divergence
-
-
-@dataclass(slots=True)
-class GradUnit:
-    """One recorded `tape.gradient` call: records [start, end) are its ops. `guard` holds the
-    refs of its target, sources and output gradients (flattened) and its unconnected-gradients
-    mode; `result` the refs of its flat results (None for a None gradient)."""
-    start: int
-    end: int
-    guard: tuple
-    result: tuple
-    feeds: tuple = ()   # slots first used inside the unit: TF-cached tensors, fed as recorded
-    structure: object = None   # the recorded result when it holds composites (IndexedSlices)
-    # (ref, value) of every tensor value the unit's Python read while traced (a gradient
-    # function's `constant_value` of a slice's bounds, an optimizer's branch on a finite check):
-    # what the recorded ops were built from, so skip mode checks them before skipping the unit
-    reads: tuple = ()
-
-
-def user_line(skip_internal: bool = True, frame=None) -> str:
-    """`file:line (function)` of the innermost frame outside Terra, TF and Keras."""
-    f = frame or sys._getframe(1)
-    while f is not None:
-        fn = f.f_code.co_filename
-        if not any(s in fn for s in ("/terra/", "/tensorflow/", "/keras/", "/site-packages/",
-                                     "<frozen", "/lib/python3")):
-            return f"{fn}:{f.f_lineno} ({f.f_code.co_name})"
-        f = f.f_back
-    return "<unknown>"
 
 
 # ------------------------------------------------------------------------------------ placeholders
@@ -136,57 +79,6 @@ class _Resolver:
 
     def resolve(self):
         return self.iteration.resolve(self.ref)
-
-
-# ------------------------------------------------------------------------------------ path data
-def barrier_records(trace: Trace, root) -> frozenset:
-    """Records skip mode waits for as soon as it matched them: ops that may raise for a value
-    (not `VALUE_SAFE_OPS`), issued inside a `try` with an `except` clause that lies within the
-    iteration, so their error is raised inside that `try`, as in eager, not at a later sync
-    point outside it. `root` is the site's (code, offset of its `with`): in the tape's own
-    frame only a `try` that begins after the `with` counts (one around the whole loop or step
-    has its errors raised at a later sync point inside it); in a frame that called the tape's
-    function, none does. Ops inside a coarse unit are not visited one by one (not covered)."""
-    code, lasti = root
-    root_label = code_info(code).label + "@"
-    out = set()
-    for rec in trace.records:
-        if rec.op_type in VALUE_SAFE_OPS or not rec.outputs or rec.location is None:
-            continue
-        for k, label in enumerate(rec.location.frames):
-            starts = FRAME_TRIES.get(label, ())
-            if not starts:
-                continue
-            if label.startswith(root_label):
-                if any(s > lasti for s in starts):
-                    out.add(rec.index)
-                    break
-            elif k > 0:
-                out.add(rec.index)
-                break
-    return frozenset(out)
-
-
-class PathView:
-    """What skip mode needs about one compiled trace, precomputed for fast checks."""
-
-    def __init__(self, trace: Trace, units: dict, root=None):
-        self.trace = trace
-        self.barriers = frozenset() if root is None else barrier_records(trace, root)
-        self.records = trace.records
-        self.units = units
-        self.n = len(trace.records)
-        self.flat_inputs = [rec.input_refs() for rec in trace.records]
-        self.fast_fallbacks = frozenset(trace.fast_fallbacks)
-        self.fallback_types = frozenset(trace.records[i].op_type for i in trace.fast_fallbacks)
-        self.attr_cache: dict = {}
-        self.single_output: dict = {}
-        self.feed_specs = [f.spec for f in trace.feeds]
-        self.feed_first_use = {}
-        for rec in trace.records:
-            for r in self.flat_inputs[rec.index]:
-                if isinstance(r, FeedRef):
-                    self.feed_first_use.setdefault(r.slot, rec.index)
 
 
 def _single_output(op_type: str) -> bool:
@@ -642,6 +534,5 @@ def _variable_ref(x) -> Optional[VariableRef]:
     return None
 
 
-__all__ = ["PythonRunner", "PathView", "Divergence", "Diverged", "GradUnit", "SkipPlaceholder",
-           "placeholder_ref", "user_line", "UNSET"]
+__all__ = ["PythonRunner", "SkipPlaceholder", "placeholder_ref", "UNSET"]
 UNSET = _UNSET

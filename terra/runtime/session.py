@@ -41,7 +41,9 @@ from terra.runtime.interrupts import held_interrupts
 from terra.runtime.iteration import Iteration, with_location
 from terra.runtime.iteration_end import FAILED
 from terra.runtime.path_graph import ConfiguredRunner, PathGraph
-from terra.runtime.python_runner import Divergence, PathView, PythonRunner, user_line
+from terra.runtime.divergence import Divergence, user_line
+from terra.runtime.path_view import PathView
+from terra.runtime.python_runner import PythonRunner
 from terra.runtime.executable import PathRun
 from terra.runtime.site_graph import SiteGraph, SiteRun
 from terra.runtime.sites import (KNOWN_FALLBACK_GAP, Path, Site, generalize, path_signature,

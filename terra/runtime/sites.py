@@ -14,7 +14,8 @@ from terra.ir.op_kinds import HOST_OPS
 from terra.ir.records import (ConstRef, Feed, FeedRef, OutputRef, TensorSpec, Trace,
                                 VariableRef, replace)
 from terra.runtime.fallback import Snapshot, unsnapshotable
-from terra.runtime.python_runner import GradUnit, PythonRunner
+from terra.runtime.path_view import GradUnit
+from terra.runtime.python_runner import PythonRunner
 from terra.runtime.site_graph import SiteGraph
 from terra.runtime.static_values import StaticValues
 from terra.tracing.recorder import frozen_value

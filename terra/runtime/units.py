@@ -12,8 +12,9 @@ from terra.config import CONFIG
 from terra.ir.op_kinds import UNSEEDED_RANDOM_OPS
 from terra.ir.records import FeedRef, VariableRef
 from terra.runtime.placeholders import Placeholder
-from terra.runtime.python_runner import (PAST_END, Diverged, Divergence, GradUnit, placeholder_ref,
-                                         user_line)
+from terra.runtime.divergence import PAST_END, Diverged, Divergence, user_line
+from terra.runtime.path_view import GradUnit
+from terra.runtime.python_runner import placeholder_ref
 from terra.runtime.sites import DATA_DEPENDENT_SHAPE_OPS
 from terra.tracing import hook
 

@@ -10,7 +10,8 @@ import tensorflow as tf  # noqa: E402
 
 import terra  # noqa: E402
 from terra.ir.records import ConstRef, FeedRef, OpRecord, Location, OutputRef, TensorSpec, Trace  # noqa: E402
-from terra.runtime.python_runner import Divergence, SkipPlaceholder  # noqa: E402
+from terra.runtime.divergence import Divergence  # noqa: E402
+from terra.runtime.python_runner import SkipPlaceholder  # noqa: E402
 from terra.runtime.session import SESSION  # noqa: E402
 from terra.runtime.sites import generalize, path_signature  # noqa: E402
 

@@ -1,0 +1,81 @@
+"""What skip mode needs about one compiled path, precomputed once per path: its records and
+flat inputs, its coarse units (`GradUnit`), where its feeds are first used, and the records
+that are sync points because an error of theirs must be raised inside the program's own `try`
+(`barrier_records`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from terra.ir.op_kinds import VALUE_SAFE_OPS
+from terra.ir.records import FRAME_TRIES, FeedRef, Trace
+from terra.tracing.locations import code_info
+
+
+@dataclass(slots=True)
+class GradUnit:
+    """One recorded `tape.gradient` call: records [start, end) are its ops. `guard` holds the
+    refs of its target, sources and output gradients (flattened) and its unconnected-gradients
+    mode; `result` the refs of its flat results (None for a None gradient)."""
+    start: int
+    end: int
+    guard: tuple
+    result: tuple
+    feeds: tuple = ()   # slots first used inside the unit: TF-cached tensors, fed as recorded
+    structure: object = None   # the recorded result when it holds composites (IndexedSlices)
+    # (ref, value) of every tensor value the unit's Python read while traced (a gradient
+    # function's `constant_value` of a slice's bounds, an optimizer's branch on a finite check):
+    # what the recorded ops were built from, so skip mode checks them before skipping the unit
+    reads: tuple = ()
+
+
+def barrier_records(trace: Trace, root) -> frozenset:
+    """Records skip mode waits for as soon as it matched them: ops that may raise for a value
+    (not `VALUE_SAFE_OPS`), issued inside a `try` with an `except` clause that lies within the
+    iteration, so their error is raised inside that `try`, as in eager, not at a later sync
+    point outside it. `root` is the site's (code, offset of its `with`): in the tape's own
+    frame only a `try` that begins after the `with` counts (one around the whole loop or step
+    has its errors raised at a later sync point inside it); in a frame that called the tape's
+    function, none does. Ops inside a coarse unit are not visited one by one (not covered)."""
+    code, lasti = root
+    root_label = code_info(code).label + "@"
+    out = set()
+    for rec in trace.records:
+        if rec.op_type in VALUE_SAFE_OPS or not rec.outputs or rec.location is None:
+            continue
+        for k, label in enumerate(rec.location.frames):
+            starts = FRAME_TRIES.get(label, ())
+            if not starts:
+                continue
+            if label.startswith(root_label):
+                if any(s > lasti for s in starts):
+                    out.add(rec.index)
+                    break
+            elif k > 0:
+                out.add(rec.index)
+                break
+    return frozenset(out)
+
+
+class PathView:
+    """What skip mode needs about one compiled trace, precomputed for fast checks."""
+
+    def __init__(self, trace: Trace, units: dict, root=None):
+        self.trace = trace
+        self.barriers = frozenset() if root is None else barrier_records(trace, root)
+        self.records = trace.records
+        self.units = units
+        self.n = len(trace.records)
+        self.flat_inputs = [rec.input_refs() for rec in trace.records]
+        self.fast_fallbacks = frozenset(trace.fast_fallbacks)
+        self.fallback_types = frozenset(trace.records[i].op_type for i in trace.fast_fallbacks)
+        self.attr_cache: dict = {}
+        self.single_output: dict = {}
+        self.feed_specs = [f.spec for f in trace.feeds]
+        self.feed_first_use = {}
+        for rec in trace.records:
+            for r in self.flat_inputs[rec.index]:
+                if isinstance(r, FeedRef):
+                    self.feed_first_use.setdefault(r.slot, rec.index)
+
+
+__all__ = ["GradUnit", "PathView", "barrier_records"]
