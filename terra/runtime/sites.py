@@ -122,8 +122,9 @@ def generalize(base: Trace, new: Trace, frozen=()):
 def variable_renaming(base: Trace, new: Trace) -> dict | None:
     """`{base key: new key}` if `new` is `base` over other variable objects of the same dtypes
     and shapes (a metric or a model made anew each epoch) and otherwise equal, record for record:
-    `new` may then run `base`'s graph with its own variables' handles. None otherwise, or when
-    the variables are the same."""
+    `new` may then run `base`'s graph with its own variables' handles. Resources that only host
+    ops take (a data iterator) may differ too and are left out. None otherwise, or when the
+    traces are the same."""
     if len(base.records) != len(new.records) or \
             [f.spec for f in base.feeds] != [f.spec for f in new.feeds]:
         return None
@@ -143,14 +144,21 @@ def variable_renaming(base: Trace, new: Trace) -> dict | None:
                 len(rb.inputs) != len(rn.inputs) or \
                 not all(same(a, b) for a, b in zip(rb.inputs, rn.inputs)):
             return None
-    renaming = {a: b for a, b in forward.items() if a != b}
-    if not renaming:
+    renamed = {a: b for a, b in forward.items() if a != b}
+    if not renamed:
         return None
-    for a, b in renaming.items():
+    # a resource only host ops take (a new data iterator every epoch) is not in the graph
+    in_graph = {r.key for rec in base.records if rec.op_type not in HOST_OPS
+                for r in rec.input_refs() if isinstance(r, VariableRef)}
+    renaming = {}
+    for a, b in renamed.items():
+        if a not in in_graph:
+            continue
         va, vb = base.variables.get(a), new.variables.get(b)
         if not (isinstance(va, tfp.BaseResourceVariable) and isinstance(vb, tfp.BaseResourceVariable)
                 and va.dtype == vb.dtype and va.shape == vb.shape):
             return None
+        renaming[a] = b
     return renaming
 
 
