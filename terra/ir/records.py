@@ -73,6 +73,9 @@ FRAME_LINES: dict = {}
 # frame's call in flight begin (program frames only; library frames: ()); filled with FRAME_LINES.
 # An op issued inside such a block must raise its error there (terra/runtime/python_runner.py).
 FRAME_TRIES: dict = {}
+# Frame label -> bytecode offset where the innermost loop enclosing its call in flight begins
+# (None: no loop); a `try` that begins after it is entered anew on every pass.
+FRAME_LOOPS: dict = {}
 
 
 # ------------------------------------------------------------------------------------ input refs

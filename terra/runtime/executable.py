@@ -25,6 +25,7 @@ class Executable:
     advance = None          # runner.advance: puts Python knows once records [0, pos) matched
     learns_fetches = False  # a value read where this graph does not fetch it: fetch next build
     allows_pure_tail = False  # may end before its path's end when the ops left are pure
+    waits_at_end = False    # its run can end once the path's last op matched (no puts left)
 
     @property
     def function(self):
@@ -111,6 +112,7 @@ class PathRun(Executable):
 
     learns_fetches = True
     allows_pure_tail = True
+    waits_at_end = True
 
     def __init__(self, path):
         self.path = path

@@ -290,6 +290,15 @@ class GraphRunner:
             return run.outputs
         raise self._translate(run.error)
 
+    def wait(self, run, timeout=None) -> None:
+        """Wait (bounded) for `run` to end, without consuming it (`result` does); Ctrl-C while
+        waiting cancels the graph before it propagates."""
+        try:
+            wait_until(run._done.is_set, f"graph run #{run.index} of {run.fn.name}", timeout)
+        except KeyboardInterrupt:
+            self.cancel()
+            raise
+
     def fetch(self, channel, timeout=None):
         """`channel.get` that reports a failed graph at once and cancels it on Ctrl-C.
 

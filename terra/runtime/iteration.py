@@ -153,6 +153,30 @@ class Iteration(IterationEnd):
             self.run = self.session.runner.start(self.exe.function, before=snapshot,
                                                  config=graph.run_config)
 
+    def wait_run(self) -> None:
+        """Wait for this iteration's run to end, at its path's last op, where that op runs
+        inside a `try` of the program entered every step (`PathView.end_sync`): a failed run
+        falls back here, and the eager replay raises the op's error inside that `try`."""
+        s = self.session
+        if s.pending:
+            s.collect_pending()  # runs in order: an earlier one first (may fall back)
+            if self.mode != "skip":
+                return
+        if not self.exe.waits_at_end:
+            return
+        with s.internal():
+            self.start_graph()
+            t = time.perf_counter()
+            try:
+                s.runner.wait(self.run, CONFIG.timeout_s)
+            finally:
+                dt = time.perf_counter() - t
+                self.stall += dt
+                s.counters.python_stall_s += dt
+        if self.run_failed():
+            self.fallback(Divergence(user_line(), "a value", "a graph error", self.runner.pos,
+                                     "graph error"))
+
     def resolve(self, ref: OutputRef):
         """Value of a placeholder of this iteration (a Python sync point)."""
         s = self.session

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from terra.ir.op_kinds import VALUE_SAFE_OPS
-from terra.ir.records import FRAME_TRIES, FeedRef, Trace
+from terra.ir.records import FRAME_LOOPS, FRAME_TRIES, FeedRef, Trace
 from terra.tracing.locations import code_info
 
 
@@ -56,12 +56,40 @@ def barrier_records(trace: Trace, root) -> frozenset:
     return frozenset(out)
 
 
+def ends_in_a_step_try(trace: Trace, root) -> bool:
+    """Whether the iteration runs inside a `try`/`except` of the program that is entered anew
+    every step (in the tape's own frame, or in the frame that calls the tape's function: inside
+    the loop that drives the steps, or anywhere in a tape frame with no loop). Its run must then
+    end, and an op error of it be raised, before Python leaves the path's last op, still
+    inside that `try`: not in a later step's (`PythonRunner._sync_at_end`). A `try` around the
+    whole loop does not count: any error ends the loop there anyway."""
+    code, _ = root
+    root_label = code_info(code).label + "@"
+    seen = set()
+    for rec in trace.records:
+        if rec.location is None or not rec.location.frames:
+            continue
+        label = rec.location.frames[0]
+        if label in seen:
+            continue
+        seen.add(label)
+        loop = FRAME_LOOPS.get(label)
+        starts = FRAME_TRIES.get(label, ())
+        if label.startswith(root_label):
+            if any(loop is None or s > loop for s in starts):
+                return True
+        elif loop is not None and any(s > loop for s in starts):
+            return True
+    return False
+
+
 class PathView:
     """What skip mode needs about one compiled trace, precomputed for fast checks."""
 
-    def __init__(self, trace: Trace, units: dict, root=None):
+    def __init__(self, trace: Trace, units: dict, root=None, caller_step_try: bool = False):
         self.trace = trace
         self.barriers = frozenset() if root is None else barrier_records(trace, root)
+        self.end_sync = root is not None and (caller_step_try or ends_in_a_step_try(trace, root))
         self.records = trace.records
         self.units = units
         self.n = len(trace.records)
@@ -78,4 +106,4 @@ class PathView:
                     self.feed_first_use.setdefault(r.slot, rec.index)
 
 
-__all__ = ["GradUnit", "PathView", "barrier_records"]
+__all__ = ["GradUnit", "PathView", "barrier_records", "ends_in_a_step_try"]

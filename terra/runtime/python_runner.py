@@ -230,6 +230,8 @@ class PythonRunner(hook.Interceptor):
         outs = [self._placeholder(rec, j) for j in range(len(rec.outputs))]
         if p in view.barriers:  # inside the program's try: its error is raised here
             outs[0]._terra_materialize()
+        if self.pos == view.n and view.end_sync:
+            self.iteration.wait_run()
         if route == "fast":
             if not outs:
                 return None
@@ -460,6 +462,8 @@ class PythonRunner(hook.Interceptor):
                 out.append(None)
             else:
                 out.append(self._placeholder(self.view.records[r.record], r.index))
+        if self.pos == self.view.n and self.view.end_sync:
+            self.iteration.wait_run()
         return out
 
     def _changed_read(self, unit) -> Optional[Divergence]:

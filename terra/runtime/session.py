@@ -50,6 +50,7 @@ from terra.runtime.sites import (KNOWN_FALLBACK_GAP, Path, Site, generalize, pat
                                  read_changed_spans, reads_feed_values, uncompilable, units_for,
                                  variable_renaming)
 from terra.tracing import hook
+from terra.tracing.locations import caller_step_try
 
 
 # ------------------------------------------------------------------------------------ session
@@ -257,7 +258,7 @@ class Session:
         site = self.sites.get(key)
         if site is None:
             label = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
-            site = self.sites[key] = Site(key, label)
+            site = self.sites[key] = Site(key, label, caller_step_try=caller_step_try(frame))
         self._begin(site, frame, tape)
 
     def _begin(self, site, frame, tape) -> None:
@@ -382,7 +383,7 @@ class Session:
         if why is None and (path.count >= 2 or compiled_before) and path.stale:
             self._build(site, path, it.number)
         elif path.view is None and path.graph is not None:
-            path.view = PathView(path.trace, path.usable_units(), site.key)
+            path.view = PathView(path.trace, path.usable_units(), site.key, site.caller_step_try)
         for other in list(site.paths.values()):
             # a compiled path that learned a fetch in this iteration (Iteration.get: a value
             # Python read where the path's graph did not fetch it) is rebuilt now: a stale path
@@ -421,7 +422,7 @@ class Session:
         t = time.perf_counter()
         with self.internal():
             if path.view is None:
-                path.view = PathView(path.trace, path.usable_units(), site.key)
+                path.view = PathView(path.trace, path.usable_units(), site.key, site.caller_step_try)
             if path.snapshot is None:
                 path.snapshot = Snapshot(written_variables(path.trace))
             shared = self._reuse(site, path)

@@ -300,6 +300,7 @@ class Site:
     seen_objects: dict = field(default_factory=dict)
     site_graph: SiteGraph | None = None   # one graph for all compiled paths (>= 2 of them)
     site_graph_failed: tuple | None = None  # SiteGraph.key_of the paths whose lowering failed
+    caller_step_try: bool = False   # called inside a per-step try of the program (PathView)
 
 
 # A fallback onto a path already filed, after at least this many iterations without one, does

@@ -32,7 +32,7 @@ import sys
 import sysconfig
 import warnings
 
-from terra.ir.records import FRAME_LINES, FRAME_TRIES, Location, LoopIter
+from terra.ir.records import FRAME_LINES, FRAME_LOOPS, FRAME_TRIES, Location, LoopIter
 
 _TERRA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _LIBRARY_DIRS = tuple(sorted({os.path.realpath(p) + os.sep for key in ("stdlib", "platstdlib",
@@ -147,6 +147,24 @@ def except_regions(code, lasti: int) -> tuple:
             out.append(start)
         offset = entry.target
     return tuple(out)
+
+
+def caller_step_try(frame) -> bool:
+    """Whether a program frame that (transitively) called `frame` runs it inside a `try` with
+    an `except` entered anew on each pass of its innermost loop: the frame whose loop drives
+    the steps (`for batch in data: try: step(batch) except ...`). The first caller with a loop
+    around its call decides; a `try` around that loop does not count."""
+    f = frame.f_back
+    while f is not None:
+        info = code_info(f.f_code)
+        if not info.internal and not info.library:
+            lasti = f.f_lasti
+            loop = max((start for start, end, _ in info.loops if start <= lasti <= end),
+                       default=None)
+            if loop is not None:
+                return any(s > loop for s in except_regions(f.f_code, lasti))
+        f = f.f_back
+    return False
 
 
 _infos: dict = {}
@@ -374,6 +392,8 @@ def _build(key) -> Location:
             FRAME_LINES[label] = (f"{info.file}:{_line(info.code, lasti)} ({info.name})",
                                   info.library)
             FRAME_TRIES[label] = () if info.library else except_regions(info.code, lasti)
+            FRAME_LOOPS[label] = max((start for start, end, _ in info.loops
+                                      if start <= lasti <= end), default=None)
         frames.append(label)
         for i, it in iters:
             loops.append(LoopIter(info.loop_ids[i], it))

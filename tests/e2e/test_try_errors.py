@@ -177,3 +177,37 @@ def test_except_regions_follow_the_handler_chain():
     assert except_regions(f.__code__, calls[21]) == ()
     with_call = calls[1]  # Tape(): every region found starts after it (inside the with)
     assert all(s > with_call for k in (3, 12, 18) for s in except_regions(f.__code__, calls[k]))
+
+
+def _end_syncs():
+    return sorted({p.view.end_sync for site in terra._SESSION.sites.values()
+                   for p in site.paths.values() if p.view is not None})
+
+
+def test_only_a_try_entered_every_step_makes_the_run_end_inside_it():
+    """A `try` around one step: each iteration's run ends at its last op (inside the `try`); a
+    `try` around the whole loop (a Ctrl-C handler, say) keeps iterations in flight."""
+    model, opt = _model(), keras.optimizers.SGD(0.01)
+    x = tf.random.stateless_normal((16, 4), seed=(1, 2))
+
+    def step(y):
+        with tf.TerraGradientTape() as tape:
+            loss = tf.reduce_mean(tf.gather(_TABLE, y)) * tf.reduce_mean(model(x))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+
+    try:
+        for s in range(6):
+            step(_labels(s, ()))
+    except KeyboardInterrupt:  # pragma: no cover - not raised
+        pass
+    terra.end_iteration()
+    assert _end_syncs() == [False]
+    terra.reset()
+    for s in range(6):
+        try:
+            step(_labels(s, ()))
+        except tf.errors.InvalidArgumentError:  # pragma: no cover - not raised
+            pass
+    terra.end_iteration()
+    assert _end_syncs() == [True]

@@ -101,43 +101,82 @@ def test_fallback_in_the_next_iteration_waits_for_the_previous_run():
     assert stats["fallbacks"] >= 1 and stats["overlapped_iterations"] >= 1, terra.explain()
 
 
-def _late_error_program(Tape, steps=9, bad=6, last=False):
+def _late_error_program(Tape, steps=9, bad=6, last=False, loop_try=False):
     """The op that fails (an out-of-range gather, or with `last` an out-of-range scatter that is
     the iteration's last op) runs after the iteration's last sync point: it feeds the variable
-    update only. The except handler captures the variables."""
+    update only. The except handler captures the variables. The `try` is around each step, or
+    with `loop_try` around the whole loop (the error ends it)."""
     model, opt = _model(5), keras.optimizers.SGD(0.05)
     X, Y = _data(steps)
     table = tf.Variable([1.0, 2.0, 3.0, 4.0])
     shift = tf.Variable(0.0)
     losses, errors, at_error = [], [], None
-    for i in range(steps):
+
+    def step(i):
         idx = (np.arange(100) % 4).astype(np.int32)   # a feed (too big for a constant)
         if i == bad:
             idx[50] = 7
+        with Tape() as tape:
+            loss = tf.reduce_mean((model(X[i]) - Y[i]) ** 2)
+        losses.append(float(loss))            # the last sync point of the iteration
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        if last:
+            table.scatter_nd_update(idx[:, None], tf.ones([100]))
+        else:
+            shift.assign_add(tf.reduce_sum(tf.gather(table, idx)) * 1e-3)
+
+    def caught(i, e):
+        nonlocal at_error
+        errors.append((i, str(e)))
+        if at_error is None:
+            at_error = [v.numpy() for v in model.variables] + [shift.numpy(), table.numpy()]
+
+    if loop_try:
+        i = 0
         try:
-            with Tape() as tape:
-                loss = tf.reduce_mean((model(X[i]) - Y[i]) ** 2)
-            losses.append(float(loss))            # the last sync point of the iteration
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-            if last:
-                table.scatter_nd_update(idx[:, None], tf.ones([100]))
-            else:
-                shift.assign_add(tf.reduce_sum(tf.gather(table, idx)) * 1e-3)
+            for i in range(steps):
+                step(i)
         except tf.errors.InvalidArgumentError as e:
-            errors.append((i, str(e)))
-            if at_error is None:
-                at_error = [v.numpy() for v in model.variables] + [shift.numpy(), table.numpy()]
+            caught(i, e)
+    else:
+        for i in range(steps):
+            try:
+                step(i)
+            except tf.errors.InvalidArgumentError as e:
+                caught(i, e)
     return losses, errors, at_error, [v.numpy() for v in model.variables] + [shift.numpy(),
                                                                              table.numpy()]
 
 
 @pytest.mark.parametrize("overlap,last", [(True, False), (False, False), (True, True),
                                           (False, True)])
+def test_an_error_in_a_step_try_is_raised_at_that_step(overlap, last):
+    """A `try` around each step: the step's run ends inside it (PathView.end_sync), so its
+    error is that step's, as in eager, and training goes on equal to eager."""
+    terra.config(overlap_iterations=overlap)
+    e_losses, e_errors, e_at, e_final = _late_error_program(tf.GradientTape, last=last)
+    t_losses, t_errors, t_at, t_final = _late_error_program(tf.TerraGradientTape, last=last)
+    terra.end_iteration()
+    explain = terra.explain()
+    assert [i for i, _ in e_errors] == [6]
+    assert [i for i, _ in t_errors] == [6], (t_errors, explain)
+    assert "terra: raised by op" in t_errors[0][1], t_errors
+    line = int(re.search(r"test_overlap\.py:(\d+) \((?:\w+\.<locals>\.)?step\)", t_errors[0][1])[1])
+    assert ("scatter_nd_update" if last else "tf.gather(table") in \
+        open(__file__).read().splitlines()[line - 1]
+    np.testing.assert_allclose(t_losses, e_losses, rtol=1e-5, atol=1e-7)
+    for a, b in zip(t_at + t_final, e_at + e_final):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("overlap,last", [(True, False), (False, False), (True, True),
+                                          (False, True)])
 def test_error_after_the_last_sync_point_surfaces_at_the_next_one(overlap, last):
     terra.config(overlap_iterations=overlap)
-    e_losses, e_errors, e_at, _ = _late_error_program(tf.GradientTape, last=last)
-    t_losses, t_errors, t_at, t_final = _late_error_program(tf.TerraGradientTape, last=last)
+    e_losses, e_errors, e_at, _ = _late_error_program(tf.GradientTape, last=last, loop_try=True)
+    t_losses, t_errors, t_at, t_final = _late_error_program(tf.TerraGradientTape, last=last,
+                                                            loop_try=True)
     terra.end_iteration()
     explain = terra.explain()
     assert [i for i, _ in e_errors] == [6]
@@ -148,22 +187,17 @@ def test_error_after_the_last_sync_point_surfaces_at_the_next_one(overlap, last)
     assert "indices" in t_errors[0][1] or "index" in t_errors[0][1], t_errors
     assert "terra: raised by op" in t_errors[0][1], t_errors
     # the program's own line, not a bytecode offset
-    assert re.search(r"test_overlap\.py:(\d+) \(_late_error_program\) > ", t_errors[0][1]), t_errors
-    line = int(re.search(r"test_overlap\.py:(\d+) \(_late_error_program\)", t_errors[0][1])[1])
+    assert re.search(r"test_overlap\.py:(\d+) \((?:\w+\.<locals>\.)?step\)", t_errors[0][1]), t_errors
+    line = int(re.search(r"test_overlap\.py:(\d+) \((?:\w+\.<locals>\.)?step\)", t_errors[0][1])[1])
     assert ("scatter_nd_update" if last else "tf.gather(table") in \
         open(__file__).read().splitlines()[line - 1]
     # the variables are exactly what eager leaves at the error (iteration 7 wrote nothing yet)
     for a, b in zip(t_at, e_at):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    # the losses read before the error are eager's; training goes on afterwards
+    # the losses read before the error are eager's (the loop ends at the error)
     np.testing.assert_allclose(t_losses[:7], e_losses[:7], rtol=1e-5, atol=1e-7)
-    if t_errors[0][0] == 6:
-        np.testing.assert_allclose(t_losses, e_losses, rtol=1e-5, atol=1e-7)
-    else:  # raised at iteration 7's first sync point (with overlap the read of its loss,
-        # without it the tape's __enter__): that iteration's update never ran
-        assert len(t_losses) == len(e_losses) - 1
-        if overlap:
-            assert "surfaces here" in t_errors[0][1], t_errors
+    if t_errors[0][0] == 7 and overlap:  # raised at iteration 7's first sync point
+        assert "surfaces here" in t_errors[0][1], t_errors
     assert np.all(np.isfinite(np.concatenate([np.ravel(v) for v in t_final])))
 
 
