@@ -15,6 +15,9 @@ Python loop over steps with `with Tape() as tape:`), made of features drawn from
 - values kept across iterations (`total += loss`, a list of losses or gradients, read later)
 - Python state on an object mutated every step and used as a Python float in the loss
 - gradient clipping, a `tf.function` penalty, a learning-rate assign, a smaller last batch
+- gradient accumulation (`gradient_accumulation_steps`), `LossScaleOptimizer`, a `tf.range`
+  whose shape depends on a value, a branch on a `tf.Variable` counter, random noise on the
+  input (a `tf.random.Generator` or stateful `tf.random.normal` under the global seed)
 
 The script's harness (`run_both`) runs the program eagerly (`tf.GradientTape`) and then under
 Terra (`tf.TerraGradientTape`, after `terra.reset()`, with a short `timeout_s`), and compares
@@ -37,7 +40,7 @@ FEATURES = (
     "nan", "nan_unguarded", "raise_caught", "raise_uncaught", "op_error",
     "break_step", "break_value", "keep_total", "keep_list", "keep_grads",
     "print", "fetch_each_step", "clip", "tf_function", "lr_assign", "small_last_batch",
-    "end_iteration",
+    "end_iteration", "grad_accum", "loss_scale", "value_shape", "var_counter", "noise",
 )
 
 
@@ -134,6 +137,17 @@ def choose(seed: int, exclude=()) -> dict:
     feat("end_iteration", 0.5)
     c["seq"] = r.randint(2, 4)
     c["vocab"] = r.randint(5, 9)
+    feat("grad_accum", 0.1)
+    c["accum_steps"] = r.randint(2, 3)
+    feat("loss_scale", 0.1)
+    c["initial_scale"] = r.choice([2.0 ** 4, 2.0 ** 10, 2.0 ** 15])
+    feat("value_shape", 0.1)
+    c["shape_values"] = [r.choice([1, 1, 2, 3]) for _ in range(c["steps"])]
+    c["shape_read"] = r.random() < 0.5
+    feat("var_counter", 0.2)
+    c["counter_mod"] = r.randint(2, 3)
+    feat("noise", 0.2)
+    c["noise_kind"] = r.choice(["generator", "stateful"])
     c["features"] = on
     return c
 
@@ -240,6 +254,11 @@ def _program(s: _Src, c: dict) -> None:
                "SGD_momentum": f'keras.optimizers.SGD({c["lr"]}, momentum=0.9)',
                "Adam": f'keras.optimizers.Adam({c["lr"]})',
                "RMSprop": f'keras.optimizers.RMSprop({c["lr"]})'}[c["optimizer"]]
+        if f["grad_accum"]:
+            opt = opt[:-1] + f", gradient_accumulation_steps={c['accum_steps']})"
+        if f["loss_scale"]:
+            opt = (f"keras.optimizers.LossScaleOptimizer({opt}, "
+                   f"initial_scale={c['initial_scale']}, dynamic_growth_steps=2)")
         s(f"opt = {opt}",
           f"R[\"models\"], R[\"opt\"] = [{', '.join(models)}], opt",
           f"params = {' + '.join(m + '.trainable_variables' for m in models)}")
@@ -265,6 +284,12 @@ def _program(s: _Src, c: dict) -> None:
             else:
                 s(f"{where}s[{c['nan_step']}, 0, 0] = {val}  # a bad batch")
         s("state = State()")
+        if f["value_shape"]:
+            s(f"lengths = {c['shape_values']!r}")
+        if f["var_counter"]:
+            s('counter = tf.Variable(0, dtype="int64")')
+        if f["noise"] and c["noise_kind"] == "generator":
+            s("g = tf.random.Generator.from_seed(SEED)")
         if f["keep_total"]:
             s("total = tf.constant(0.0)" if c["total_tensor"] else "total = 0.0")
         if f["keep_list"]:
@@ -294,7 +319,10 @@ def _program(s: _Src, c: dict) -> None:
             if f["nan"]:
                 with s.block("if not np.isfinite(float(loss)):"):
                     s('R["log"].append(("skipped", step))', "continue")
-            s("grads = tape.gradient(loss, params)")
+            if f["loss_scale"]:
+                s("grads = tape.gradient(scaled, params)")
+            else:
+                s("grads = tape.gradient(loss, params)")
             if f["clip"]:
                 if c["clip_kind"] == "norm":
                     s("grads = [tf.clip_by_norm(g, 1.0) for g in grads]")
@@ -344,6 +372,11 @@ def _tape(s: _Src, c: dict, training: str) -> None:
     with s.block("with Tape() as tape:"):
         if f["raise_caught"] and c["raise_where"] == "before_loss":
             _raise(s, c)
+        if f["noise"] and not f["embedding"]:
+            if c["noise_kind"] == "generator":
+                s("x = x + 0.01 * g.normal(tf.shape(x))")
+            else:
+                s("x = x + 0.01 * tf.random.normal(tf.shape(x))")
         s(f"h = trunk(x, training={training})")
         if f["inner_loop"]:
             with s.block(f"for _ in range(prng.randint(1, {c['inner_max']})):  # a loop of random length"):
@@ -375,8 +408,19 @@ def _tape(s: _Src, c: dict, training: str) -> None:
               "loss = loss * (1.0 + 0.01 * np.tanh(m))")
         if f["state_scale"]:
             s("loss = loss * state.scale")
+        if f["value_shape"]:
+            s("r = tf.range(tf.constant(lengths[step]))  # its shape depends on a value")
+            if c["shape_read"]:
+                s('R["log"].append(("range", step, [int(v) for v in r]))')
+            s("loss = loss + 0.01 * tf.cast(tf.reduce_sum(r), tf.float32)")
+        if f["var_counter"]:
+            s("counter.assign_add(1)")
+            with s.block(f"if int(counter) % {c['counter_mod']} == 0:  # a branch on a variable"):
+                s("loss = loss * 0.9")
         if f["tf_function"]:
             s("loss = loss + 1e-3 * penalty(head.trainable_variables)")
+        if f["loss_scale"]:
+            s("scaled = opt.scale_loss(loss)")
         if f["raise_caught"] and c["raise_where"] == "after_loss":
             _raise(s, c)
         if f["raise_uncaught"] and c["uncaught_where"] == "tape":
