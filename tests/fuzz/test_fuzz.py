@@ -138,3 +138,52 @@ def test_a_seeds_script_runs_standalone_with_plain_python():
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "--- eager" in p.stdout and "--- terra" in p.stdout
     assert p.stdout.rstrip().endswith("--- same as eager"), p.stdout[-3000:]
+
+
+# ------------------------------------------------------------------ the KNOWN_GAPS bugs, minimized
+def _stale_float_scale(Tape):
+    """seed 1, minimized: a decaying Python scale and a branch on the step."""
+    import tensorflow as tf
+    w = tf.Variable([[0.5], [-0.3]])
+    x = tf.constant([[1.0, 2.0]])
+    scale, losses = 1.0, []
+    for step in range(6):
+        scale *= 0.95
+        with Tape() as tape:
+            loss = tf.reduce_sum(tf.matmul(x, w) ** 2) * scale
+            if step % 2 == 1:
+                loss = loss * 0.9
+        w.assign_sub(0.01 * tape.gradient(loss, [w])[0])
+        losses.append(float(loss))
+    terra.end_iteration()
+    return losses, w.numpy()
+
+
+def _stale_float_numpy(Tape):
+    """seed 84, minimized: a float read with .numpy() and a tf.range of changing length."""
+    import tensorflow as tf
+    w = tf.Variable([[0.5], [-0.3]])
+    x = tf.constant([[1.0, 2.0]])
+    losses = []
+    for n in [1, 2, 1, 1, 3, 3, 3]:
+        with Tape() as tape:
+            out = tf.matmul(x, w)
+            loss = tf.reduce_sum(out ** 2) * (1.0 + float(out.numpy()[0, 0]))
+            loss = loss + tf.cast(tf.reduce_sum(tf.range(tf.constant(n))), tf.float32)
+        w.assign_sub(0.01 * tape.gradient(loss, [w])[0])
+        losses.append(float(loss))
+    terra.end_iteration()
+    return losses, w.numpy()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=next(iter(KNOWN_GAPS.values()), ""))
+@pytest.mark.parametrize("program", [_stale_float_scale, _stale_float_numpy])
+def test_known_gap_stale_python_float_in_the_gradient(program):
+    """Fails while the bug is there; passes (an XPASS, which fails the suite) once it is fixed:
+    then remove its combinations from KNOWN_GAPS."""
+    import tensorflow as tf
+    eager = program(tf.GradientTape)
+    terra.reset()
+    got = program(tf.TerraGradientTape)
+    assert got[0] == eager[0]
+    np.testing.assert_array_equal(got[1], eager[1])
