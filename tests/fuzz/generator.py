@@ -349,9 +349,9 @@ def _program(s: _Src, c: dict) -> None:
             s("state.seen += 1")
             if f["print"]:
                 with s.block(f"if step % {c['print_every']} == 0:"):
-                    s('print(f"step {step}: loss {loss:.6f}")')
+                    s('print(f"step {step}: loss {loss:.4f}")')
                     if f["keep_list"]:
-                        s('print(f"mean of the last 3 {tf.reduce_mean(tf.stack(kept[-3:])):.6f}")')
+                        s('print(f"mean of the last 3 {tf.reduce_mean(tf.stack(kept[-3:])):.4f}")')
             if f["break_step"]:
                 with s.block(f"if step == {c['break_at']}:"):
                     s('R["log"].append(("break", step))', "break")

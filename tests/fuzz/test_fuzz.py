@@ -107,11 +107,11 @@ def _harness():
 
 def test_the_comparison_reports_every_kind_of_difference():
     compare = _harness()
-    base = {"losses": [1.0, 0.5], "printed": ["step 0: loss 1.000000"], "log": [("big", 0)],
+    base = {"losses": [1.0, 0.5], "printed": ["step 0: loss 1.0000"], "log": [("big", 0)],
             "error": None, "end_error": None, "iterations": 2,
             "variables": [np.ones((2, 2), np.float32), np.array([np.nan], np.float32)]}
     assert compare(base, dict(base)) == []  # NaN in the same place is equal
-    changes = {"losses": [1.0, 0.6], "printed": ["step 0: loss 1.000001"], "log": [],
+    changes = {"losses": [1.0, 0.6], "printed": ["step 0: loss 1.0001"], "log": [],
                "error": ("StepError", 1, 40, "bad step 1"), "end_error": "TerraTimeoutError: x",
                "iterations": 3,
                "variables": [np.ones((2, 2), np.float32), np.array([0.0], np.float32)]}
