@@ -18,7 +18,8 @@ Python loop over steps with `with Tape() as tape:`), made of features drawn from
 - gradient accumulation (`gradient_accumulation_steps`), `LossScaleOptimizer`, a `tf.range`
   whose shape depends on a value, a branch on a `tf.Variable` counter, random noise on the
   input (a `tf.random.Generator` or stateful `tf.random.normal` under the global seed), the
-  optimizer built before the loop or on its first step
+  optimizer built before the loop or on its first step, a persistent tape with a second
+  gradient, a second tape and optimizer in the step (as in a GAN)
 
 The script's harness (`run_both`) runs the program eagerly (`tf.GradientTape`) and then under
 Terra (`tf.TerraGradientTape`, after `terra.reset()`, with a short `timeout_s`), and compares
@@ -42,7 +43,7 @@ FEATURES = (
     "break_step", "break_value", "keep_total", "keep_list", "keep_grads",
     "print", "fetch_each_step", "clip", "tf_function", "lr_assign", "small_last_batch",
     "end_iteration", "grad_accum", "loss_scale", "value_shape", "var_counter", "noise",
-    "opt_build",
+    "opt_build", "persistent", "second_tape",
 )
 
 
@@ -151,6 +152,8 @@ def choose(seed: int, exclude=()) -> dict:
     feat("noise", 0.2)
     c["noise_kind"] = r.choice(["generator", "stateful"])
     feat("opt_build", 0.5)
+    feat("persistent", 0.15)
+    feat("second_tape", 0.15)
     c["features"] = on
     return c
 
@@ -264,6 +267,9 @@ def _program(s: _Src, c: dict) -> None:
         s(f"opt = {opt}",
           f"R[\"models\"], R[\"opt\"] = [{', '.join(models)}], opt",
           f"params = {' + '.join(m + '.trainable_variables' for m in models)}")
+        if f["second_tape"]:
+            s("aux_opt = keras.optimizers.SGD(0.01)")
+            s('R["aux_opt"] = aux_opt')
         if f["opt_build"]:
             s("opt.build(params)  # the optimizer's variables exist before the first step")
         # ---------------------------------------------------------------- data
@@ -333,6 +339,14 @@ def _program(s: _Src, c: dict) -> None:
                 else:
                     s("grads, norm = tf.clip_by_global_norm(grads, 1.0)")
             s("opt.apply_gradients(zip(grads, params))")
+            if f["persistent"]:
+                s("head_grads = tape.gradient(loss, head.trainable_variables)  # a second gradient",
+                  'R["log"].append(("head grad norm", step, round(float(tf.linalg.global_norm(head_grads)), 3)))',
+                  "del tape")
+            if f["second_tape"]:
+                with s.block("with Tape() as tape2:  # a second model's step, as in a GAN"):
+                    s("aux = tf.reduce_mean(tf.square(head(tf.stop_gradient(h)) - 0.5))")
+                s("aux_opt.apply_gradients(zip(tape2.gradient(aux, head.trainable_variables), head.trainable_variables))")
             if c["try_scope"] == "step" and caught:
                 _except(s, c)
             if f["raise_uncaught"] and c["uncaught_where"] == "after_apply":
@@ -373,7 +387,7 @@ def _program(s: _Src, c: dict) -> None:
 def _tape(s: _Src, c: dict, training: str) -> None:
     f = c["features"]
     out_dim = c["classes"] if f["classifier"] else 1
-    with s.block("with Tape() as tape:"):
+    with s.block("with Tape(persistent=True) as tape:" if f["persistent"] else "with Tape() as tape:"):
         if f["raise_caught"] and c["raise_where"] == "before_loss":
             _raise(s, c)
         if f["noise"] and not f["embedding"]:
@@ -478,14 +492,14 @@ def run(Tape):
             terra.end_iteration()
         except Exception as e:
             end_error = f"{type(e).__name__}: {str(e)[:300]}"
-    out = {k: v for k, v in R.items() if k not in ("models", "opt")}
+    out = {k: v for k, v in R.items() if k not in ("models", "opt", "aux_opt")}
     out["printed"] = printed.getvalue().splitlines()
     out["error"] = error
     out["end_error"] = end_error
     if "opt" in R:
         out["iterations"] = int(R["opt"].iterations)
         out["variables"] = [v.numpy() for m in R["models"] for v in m.weights] + \\
-            [v.numpy() for v in R["opt"].variables]
+            [v.numpy() for o in (R["opt"], R.get("aux_opt")) if o for v in o.variables]
     return out
 
 
