@@ -341,12 +341,14 @@ def _program(s: _Src, c: dict) -> None:
             s("opt.apply_gradients(zip(grads, params))")
             if f["persistent"]:
                 s("head_grads = tape.gradient(loss, head.trainable_variables)  # a second gradient",
-                  'R["log"].append(("head grad norm", step, round(float(tf.linalg.global_norm(head_grads)), 3)))',
+                  "head_norm = float(tf.linalg.global_norm(head_grads))",
+                  'R["log"].append(("head grad norm", step, round(head_norm, 3)))',
                   "del tape")
             if f["second_tape"]:
                 with s.block("with Tape() as tape2:  # a second model's step, as in a GAN"):
                     s("aux = tf.reduce_mean(tf.square(head(tf.stop_gradient(h)) - 0.5))")
-                s("aux_opt.apply_gradients(zip(tape2.gradient(aux, head.trainable_variables), head.trainable_variables))")
+                s("aux_grads = tape2.gradient(aux, head.trainable_variables)",
+                  "aux_opt.apply_gradients(zip(aux_grads, head.trainable_variables))")
             if c["try_scope"] == "step" and caught:
                 _except(s, c)
             if f["raise_uncaught"] and c["uncaught_where"] == "after_apply":
