@@ -1,0 +1,592 @@
+"""Random eager training programs, as source text, from a seed.
+
+`generate(seed, exclude=())` returns the text of a standalone Python script. Its `program(Tape, R)`
+is a small eager training loop written as a user would write it (Keras layers, an optimizer, a
+Python loop over steps with `with Tape() as tape:`), made of features drawn from the seed:
+
+- layers: Dense with a random activation, Activation, Dropout (a fixed seed, training=True or
+  False), LayerNormalization, BatchNormalization, Embedding; a regression or a classifier head
+- Python branches on Python-random values and on fetched values (`float(loss) > t`, `.numpy()`)
+- a Python loop of random length inside the tape (a residual block applied 1-3 times)
+- NaN / Inf in one step's data, with or without the user's `isfinite` guard
+- Python exceptions raised in the tape and caught by the user; an uncaught one that ends the
+  program; a TF op error (out-of-range gather) caught by the user
+- early exit (`break`) on a step or on a fetched value
+- values kept across iterations (`total += loss`, a list of losses or gradients, read later)
+- Python state on an object mutated every step and used as a Python float in the loss
+- gradient clipping, a `tf.function` penalty, a learning-rate assign, a smaller last batch
+- gradient accumulation (`gradient_accumulation_steps`), `LossScaleOptimizer`, a `tf.range`
+  whose shape depends on a value, a branch on a `tf.Variable` counter, random noise on the
+  input (a `tf.random.Generator` or stateful `tf.random.normal` under the global seed), the
+  optimizer built before the loop or on its first step, a persistent tape with a second
+  gradient, a second tape and optimizer in the step (as in a GAN)
+
+The script's harness (`run_both`) runs the program eagerly (`tf.GradientTape`) and then under
+Terra (`tf.TerraGradientTape`, after `terra.reset()`, with a short `timeout_s`), and compares
+everything: per-step losses, printed lines, the program's log of Python side effects, final
+model and optimizer variables, `optimizer.iterations`, and the exception (type, step, line).
+`python script.py` runs it and exits 1 when Terra differs from eager.
+
+Every random choice is drawn in a fixed order whether or not a feature is excluded, so excluding
+a feature (see `KNOWN_GAPS` in tests/fuzz/runner.py) leaves the seed's other choices unchanged.
+"""
+from __future__ import annotations
+
+import random
+from contextlib import contextmanager
+
+# Every feature the generator can put in a program; `exclude` takes names from this list.
+FEATURES = (
+    "dropout", "layernorm", "batchnorm", "embedding", "classifier",
+    "inner_loop", "py_branch", "value_branch", "numpy_scalar", "state_scale",
+    "nan", "nan_unguarded", "raise_caught", "raise_uncaught", "op_error",
+    "break_step", "break_value", "keep_total", "keep_list", "keep_grads",
+    "print", "fetch_each_step", "clip", "tf_function", "lr_assign", "small_last_batch",
+    "end_iteration", "grad_accum", "loss_scale", "value_shape", "var_counter", "noise",
+    "opt_build", "persistent", "second_tape",
+)
+
+
+class _Src:
+    def __init__(self):
+        self.lines: list[str] = []
+        self.depth = 0
+
+    def __call__(self, *lines: str) -> None:
+        for text in lines:
+            self.lines.append("    " * self.depth + text if text else "")
+
+    @contextmanager
+    def block(self, header: str):
+        self(header)
+        self.depth += 1
+        yield
+        self.depth -= 1
+
+
+def choose(seed: int, exclude=()) -> dict:
+    """The seed's choices: which features are on, and their parameters."""
+    r = random.Random(seed)
+    bad = set(exclude)
+    unknown = bad - set(FEATURES)
+    if unknown:
+        raise ValueError(f"unknown features {sorted(unknown)}; known: {FEATURES}")
+    on = {}
+
+    def feat(name, p):
+        drawn = r.random() < p  # always drawn: exclusions leave the other choices as they were
+        on[name] = drawn and name not in bad
+        return on[name]
+
+    c = {"seed": seed}
+    c["steps"] = r.randint(4, 7)
+    c["batch"] = r.choice([2, 3, 4])
+    c["d_in"] = r.randint(2, 5)
+    c["hidden"] = r.choice([3, 4, 6])
+    c["n_hidden"] = r.randint(1, 2)
+    c["acts"] = [r.choice(["relu", "tanh", "sigmoid", None, "gelu", "elu"]) for _ in range(2)]
+    c["optimizer"] = r.choice(["SGD", "SGD_momentum", "Adam", "RMSprop"])
+    c["lr"] = r.choice([0.01, 0.05, 0.1])
+    feat("embedding", 0.15)
+    feat("classifier", 0.3)
+    c["classes"] = r.randint(2, 4)
+    feat("dropout", 0.3)
+    c["dropout_rate"] = r.choice([0.1, 0.3, 0.5])
+    c["dropout_training"] = r.random() < 0.6
+    feat("layernorm", 0.2)
+    feat("batchnorm", 0.1)
+    c["act_layer"] = r.choice([None, None, "relu", "tanh"])
+    feat("inner_loop", 0.2)
+    c["inner_max"] = r.randint(2, 3)
+    feat("py_branch", 0.25)
+    c["py_p"] = r.choice([0.1, 0.2, 0.5, 0.9])
+    feat("value_branch", 0.25)
+    c["value_t"] = round(r.uniform(0.2, 1.5), 3)
+    c["value_action"] = r.choice(["scale", "extra"])
+    feat("numpy_scalar", 0.2)
+    feat("state_scale", 0.3)
+    c["decay"] = r.choice([0.9, 0.95, 0.99])
+    feat("nan", 0.3)
+    c["nan_step"] = r.randint(c["steps"] // 2, c["steps"] - 1)  # mostly after a graph is built
+    c["nan_value"] = r.choice(["nan", "inf", "-inf"])
+    c["nan_where"] = r.choice(["x", "y"])
+    feat("nan_unguarded", 0.15)
+    feat("raise_caught", 0.3)
+    c["raise_cond"] = r.choice(["step", "step", "random", "value"])
+    c["raise_step"] = r.randint(0, c["steps"] - 1)
+    c["raise_where"] = r.choice(["before_loss", "after_loss"])
+    c["try_scope"] = r.choice(["tape", "step"])
+    feat("raise_uncaught", 0.08)
+    c["uncaught_step"] = r.randint(1, c["steps"] - 1)
+    c["uncaught_where"] = r.choice(["tape", "after_apply"])
+    feat("op_error", 0.1)
+    c["op_error_step"] = r.randint(0, c["steps"] - 1)
+    feat("break_step", 0.2)
+    c["break_at"] = r.randint(1, c["steps"] - 1)
+    feat("break_value", 0.2)
+    c["break_t"] = round(r.uniform(0.05, 0.8), 3)
+    feat("keep_total", 0.5)
+    c["total_tensor"] = r.random() < 0.5
+    feat("keep_list", 0.5)
+    feat("keep_grads", 0.2)
+    feat("print", 0.5)
+    c["print_every"] = r.randint(1, 3)
+    feat("fetch_each_step", 0.7)
+    feat("clip", 0.3)
+    c["clip_kind"] = r.choice(["norm", "global"])
+    feat("tf_function", 0.2)
+    feat("lr_assign", 0.15)
+    feat("small_last_batch", 0.15)
+    feat("end_iteration", 0.5)
+    c["seq"] = r.randint(2, 4)
+    c["vocab"] = r.randint(5, 9)
+    feat("grad_accum", 0.1)
+    c["accum_steps"] = r.randint(2, 3)
+    feat("loss_scale", 0.1)
+    c["initial_scale"] = r.choice([2.0 ** 4, 2.0 ** 10, 2.0 ** 15])
+    feat("value_shape", 0.1)
+    c["shape_values"] = [r.choice([1, 1, 2, 3]) for _ in range(c["steps"])]
+    c["shape_read"] = r.random() < 0.5
+    feat("var_counter", 0.15)
+    c["counter_mod"] = r.randint(2, 3)
+    feat("noise", 0.2)
+    c["noise_kind"] = r.choice(["generator", "stateful"])
+    feat("opt_build", 0.5)
+    feat("persistent", 0.15)
+    feat("second_tape", 0.15)
+    c["features"] = on
+    return c
+
+
+def generate(seed: int, exclude=(), timeout_s: float = 20.0, exact: bool = False,
+             config=None) -> str:
+    """The source of the standalone script for `seed` (features in `exclude` off); `config`:
+    further `terra.config` settings for the Terra run."""
+    settings = {"timeout_s": float(timeout_s), **(config or {})}
+    c = choose(seed, exclude)
+    f = c["features"]
+    on = sorted(k for k, v in f.items() if v)
+    s = _Src()
+    s(f'"""Terra fuzz program, seed {seed}. Features: {", ".join(on) or "none"}.',
+      "",
+      "`python this_file.py` runs the program eagerly and then under Terra (tf.TerraGradientTape),",
+      'prints both outcomes and exits 1 if they differ."""',
+      "import contextlib",
+      "import io",
+      "import os",
+      "import random",
+      "import sys",
+      "import traceback",
+      "",
+      'os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")',
+      "",
+      "import keras  # noqa: E402",
+      "import numpy as np  # noqa: E402",
+      "import tensorflow as tf  # noqa: E402",
+      "",
+      "import terra  # noqa: E402",
+      "",
+      f"SEED = {seed}",
+      f"FEATURES = {on!r}",
+      f"TERRA_CONFIG = {settings!r}  # timeout_s bounds every wait: a hang becomes an error",
+      f"EXACT = {bool(exact)!r}  # compare losses and variables bit for bit (else rtol 1e-5)",
+      "STEP = [None]  # the step the program is in (an exception's step)",
+      "",
+      "",
+      "class StepError(Exception):",
+      "    pass",
+      "",
+      "",
+      "class State:",
+      "    def __init__(self):",
+      "        self.scale = 1.0",
+      "        self.seen = 0",
+      "        self.history = []",
+      "",
+      "",
+      )
+    if f["tf_function"]:
+        s("@tf.function",
+          "def penalty(ws):",
+          "    return tf.add_n([tf.reduce_sum(w * w) for w in ws])",
+          "", "")
+    _program(s, c)
+    s("", "")
+    s(*_HARNESS.splitlines())
+    return "\n".join(s.lines) + "\n"
+
+
+def _program(s: _Src, c: dict) -> None:
+    f = c["features"]
+    B, D, H, T = c["batch"], c["d_in"], c["hidden"], c["steps"]
+    out_dim = c["classes"] if f["classifier"] else 1
+    training = "True" if c["dropout_training"] else "False"
+    with s.block("def program(Tape, R):"):
+        s("keras.utils.set_random_seed(SEED)",
+          "prng = random.Random(SEED + 1)  # the program's own Python-random choices",
+          "drng = np.random.default_rng(SEED)")
+        # ---------------------------------------------------------------- model
+        if f["embedding"]:
+            layers = [f'keras.Input(({c["seq"]},), dtype="int32")',
+                      f'keras.layers.Embedding({c["vocab"]}, {H})',
+                      "keras.layers.GlobalAveragePooling1D()"]
+        else:
+            layers = [f"keras.Input(({D},))"]
+        for i in range(c["n_hidden"]):
+            act = c["acts"][i]
+            if i == 0 and f["batchnorm"]:  # no bias before BatchNormalization (it cancels it)
+                layers.append(f"keras.layers.Dense({H}, use_bias=False)")
+            else:
+                layers.append(f"keras.layers.Dense({H}, activation={act!r})")
+            if i == 0 and f["layernorm"]:
+                layers.append("keras.layers.LayerNormalization()")
+            if i == 0 and f["batchnorm"]:
+                layers.append("keras.layers.BatchNormalization()")
+            if i == 0 and c["act_layer"]:
+                layers.append(f'keras.layers.Activation({c["act_layer"]!r})')
+            if i == 0 and f["dropout"]:
+                layers.append(f'keras.layers.Dropout({c["dropout_rate"]}, seed={c["seed"] % 97})')
+        s("trunk = keras.Sequential([")
+        for layer in layers:
+            s(f"    {layer},")
+        s("])")
+        s(f"head = keras.Sequential([keras.Input(({H},)), keras.layers.Dense({out_dim})])")
+        models = ["trunk", "head"]
+        if f["inner_loop"]:
+            s(f'block = keras.Sequential([keras.Input(({H},)), keras.layers.Dense({H}, activation="tanh")])')
+            models.append("block")
+        opt = {"SGD": f'keras.optimizers.SGD({c["lr"]})',
+               "SGD_momentum": f'keras.optimizers.SGD({c["lr"]}, momentum=0.9)',
+               "Adam": f'keras.optimizers.Adam({c["lr"]})',
+               "RMSprop": f'keras.optimizers.RMSprop({c["lr"]})'}[c["optimizer"]]
+        if f["grad_accum"]:
+            opt = opt[:-1] + f", gradient_accumulation_steps={c['accum_steps']})"
+        if f["loss_scale"]:
+            opt = (f"keras.optimizers.LossScaleOptimizer({opt}, "
+                   f"initial_scale={c['initial_scale']}, dynamic_growth_steps=2)")
+        s(f"opt = {opt}",
+          f"R[\"models\"], R[\"opt\"] = [{', '.join(models)}], opt",
+          f"params = {' + '.join(m + '.trainable_variables' for m in models)}")
+        if f["second_tape"]:
+            s("aux_opt = keras.optimizers.SGD(0.01)")
+            s('R["aux_opt"] = aux_opt')
+        if f["opt_build"]:
+            s("opt.build(params)  # the optimizer's variables exist before the first step")
+        # ---------------------------------------------------------------- data
+        if f["embedding"]:
+            s(f'xs = drng.integers(0, {c["vocab"]}, size=({T}, {B}, {c["seq"]})).astype("int32")')
+        else:
+            s(f'xs = drng.normal(size=({T}, {B}, {D})).astype("float32")')
+        if f["classifier"]:
+            s(f'ys = drng.integers(0, {out_dim}, size=({T}, {B})).astype("int32")')
+        else:
+            s(f'ys = drng.normal(size=({T}, {B}, 1)).astype("float32")')
+        bad = f["nan"] or f["nan_unguarded"]
+        if bad:
+            where = c["nan_where"]
+            if f["embedding"] or (where == "y" and f["classifier"]):
+                where = "y" if not f["classifier"] else None
+            if f["embedding"] and f["classifier"]:
+                where = None
+            val = {"nan": 'float("nan")', "inf": 'float("inf")', "-inf": '-float("inf")'}[c["nan_value"]]
+            if where is None:  # nothing float to poison: the loss itself is poisoned
+                c["nan_in_loss"] = val
+            else:
+                s(f"{where}s[{c['nan_step']}, 0, 0] = {val}  # a bad batch")
+        s("state = State()")
+        if f["value_shape"]:
+            s(f"lengths = {c['shape_values']!r}")
+        if f["var_counter"]:
+            s('counter = tf.Variable(0, dtype="int64")')
+        if f["noise"] and c["noise_kind"] == "generator":
+            s("g = tf.random.Generator.from_seed(SEED)")
+        if f["keep_total"]:
+            s("total = tf.constant(0.0)" if c["total_tensor"] else "total = 0.0")
+        if f["keep_list"]:
+            s("kept = []")
+        if f["keep_grads"]:
+            s("kept_grads = []")
+        s('R["losses"], R["log"] = [], []')
+        # ---------------------------------------------------------------- loop
+        with s.block(f"for step in range({T}):"):
+            s("STEP[0] = step")
+            if f["small_last_batch"]:
+                s(f"n = {B} if step < {T - 1} else {max(1, B - 1)}  # a smaller last batch",
+                  "x, y = tf.constant(xs[step][:n]), tf.constant(ys[step][:n])")
+            else:
+                s("x, y = tf.constant(xs[step]), tf.constant(ys[step])")
+            if f["lr_assign"]:
+                s(f"opt.learning_rate.assign({c['lr']} * 0.9 ** step)")
+            if f["state_scale"]:
+                s(f"state.scale *= {c['decay']}")
+            caught = f["raise_caught"] or f["op_error"]
+            if caught:
+                s("try:")
+                s.depth += 1
+            _tape(s, c, training)
+            if c["try_scope"] == "tape" and caught:
+                _except(s, c)
+            if f["nan"]:
+                with s.block("if not np.isfinite(float(loss)):"):
+                    s('R["log"].append(("skipped", step))', "continue")
+            if f["loss_scale"]:
+                s("grads = tape.gradient(scaled, params)")
+            else:
+                s("grads = tape.gradient(loss, params)")
+            if f["clip"]:
+                if c["clip_kind"] == "norm":
+                    s("grads = [tf.clip_by_norm(g, 1.0) for g in grads]")
+                else:
+                    s("grads, norm = tf.clip_by_global_norm(grads, 1.0)")
+            s("opt.apply_gradients(zip(grads, params))")
+            if f["persistent"]:
+                s("head_grads = tape.gradient(loss, head.trainable_variables)  # a second gradient",
+                  "head_norm = float(tf.linalg.global_norm(head_grads))",
+                  'R["log"].append(("head grad norm", step, round(head_norm, 3)))',
+                  "del tape")
+            if f["second_tape"]:
+                with s.block("with Tape() as tape2:  # a second model's step, as in a GAN"):
+                    s("aux = tf.reduce_mean(tf.square(head(tf.stop_gradient(h)) - 0.5))")
+                s("aux_grads = tape2.gradient(aux, head.trainable_variables)",
+                  "aux_opt.apply_gradients(zip(aux_grads, head.trainable_variables))")
+            if c["try_scope"] == "step" and caught:
+                _except(s, c)
+            if f["raise_uncaught"] and c["uncaught_where"] == "after_apply":
+                with s.block(f"if step == {c['uncaught_step']}:"):
+                    s('raise RuntimeError(f"stopped at step {step}")')
+            if f["fetch_each_step"]:
+                s('R["losses"].append(float(loss))')
+            if f["keep_total"]:
+                s("total += loss")
+            if f["keep_list"]:
+                s("kept.append(loss)")
+            if f["keep_grads"]:
+                s("kept_grads.append(grads[-1])")
+            s("state.seen += 1")
+            if f["print"]:
+                with s.block(f"if step % {c['print_every']} == 0:"):
+                    s('print(f"step {step}: loss {loss:.4f}")')
+                    if f["keep_list"]:
+                        s('print(f"mean of the last 3 {tf.reduce_mean(tf.stack(kept[-3:])):.4f}")')
+            if f["break_step"]:
+                with s.block(f"if step == {c['break_at']}:"):
+                    s('R["log"].append(("break", step))', "break")
+            if f["break_value"]:
+                with s.block(f"if float(loss) < {c['break_t']}:"):
+                    s('R["log"].append(("converged", step))', "break")
+        # ---------------------------------------------------------------- after the loop
+        if f["end_iteration"]:
+            s("terra.end_iteration()")
+        if f["keep_total"]:
+            s('R["total"] = float(total)')
+        if f["keep_list"]:
+            s('R["kept"] = [float(v) for v in kept]')
+        if f["keep_grads"]:
+            s('R["kept_grads"] = [g.numpy() for g in kept_grads]')
+        s('R["state"] = (state.scale, state.seen, state.history)')
+
+
+def _tape(s: _Src, c: dict, training: str) -> None:
+    f = c["features"]
+    out_dim = c["classes"] if f["classifier"] else 1
+    with s.block("with Tape(persistent=True) as tape:" if f["persistent"] else "with Tape() as tape:"):
+        if f["raise_caught"] and c["raise_where"] == "before_loss":
+            _raise(s, c)
+        if f["noise"] and not f["embedding"]:
+            if c["noise_kind"] == "generator":
+                s("x = x + 0.01 * g.normal(tf.shape(x))")
+            else:
+                s("x = x + 0.01 * tf.random.normal(tf.shape(x))")
+        s(f"h = trunk(x, training={training})")
+        if f["inner_loop"]:
+            with s.block(f"for _ in range(prng.randint(1, {c['inner_max']})):  # a loop of random length"):
+                s("h = h + 0.5 * block(h)")
+        s("out = head(h)")
+        if f["classifier"]:
+            s("loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, out, from_logits=True))")
+        else:
+            s("loss = tf.reduce_mean(tf.square(out - y))")
+        if c.get("nan_in_loss"):
+            with s.block(f"if step == {c['nan_step']}:"):
+                s(f"loss = loss * {c['nan_in_loss']}  # a bad step")
+        if f["op_error"]:
+            s(f"col = {out_dim} if step == {c['op_error_step']} else 0  # out of range once",
+              "loss = loss + 0.0 * tf.reduce_sum(tf.gather(out, [col], axis=1))")
+        if f["py_branch"]:
+            with s.block(f"if prng.random() < {c['py_p']}:  # a Python-random branch"):
+                s("loss = loss + 1e-3 * tf.reduce_sum(tf.square(params[0]))")
+                s('state.history.append("reg")')
+        if f["value_branch"]:
+            with s.block(f"if float(loss) > {c['value_t']}:  # a branch on a fetched value"):
+                if c["value_action"] == "scale":
+                    s("loss = loss * 0.5")
+                else:
+                    s("loss = loss + 0.1 * tf.reduce_mean(tf.abs(out))")
+                s('R["log"].append(("big", step))')
+        if f["numpy_scalar"]:
+            s("m = float(np.mean(out.numpy()))  # a value read with .numpy()",
+              "loss = loss * (1.0 + 0.01 * np.tanh(m))")
+        if f["state_scale"]:
+            s("loss = loss * state.scale")
+        if f["value_shape"]:
+            s("r = tf.range(tf.constant(lengths[step]))  # its shape depends on a value")
+            if c["shape_read"]:
+                s('R["log"].append(("range", step, [int(v) for v in r]))')
+            s("loss = loss + 0.01 * tf.cast(tf.reduce_sum(r), tf.float32)")
+        if f["var_counter"]:
+            s("counter.assign_add(1)")
+            with s.block(f"if int(counter) % {c['counter_mod']} == 0:  # a branch on a variable"):
+                s("loss = loss * 0.9")
+        if f["tf_function"]:
+            s("loss = loss + 1e-3 * penalty(head.trainable_variables)")
+        if f["loss_scale"]:
+            s("scaled = opt.scale_loss(loss)")
+        if f["raise_caught"] and c["raise_where"] == "after_loss":
+            _raise(s, c)
+        if f["raise_uncaught"] and c["uncaught_where"] == "tape":
+            with s.block(f"if step == {c['uncaught_step']}:"):
+                s('raise RuntimeError(f"stopped at step {step}")')
+
+
+def _raise(s: _Src, c: dict) -> None:
+    cond = c["raise_cond"]
+    if cond == "value" and c["raise_where"] == "before_loss":
+        cond = "step"
+    if cond == "step":
+        test = f"step == {c['raise_step']}"
+    elif cond == "random":
+        test = "prng.random() < 0.25"
+    else:
+        test = f"float(loss) > {c['value_t'] * 1.5:.3f}"
+    with s.block(f"if {test}:"):
+        s('raise StepError(f"bad step {step}")')
+
+
+def _except(s: _Src, c: dict) -> None:
+    f = c["features"]
+    s.depth -= 1
+    if f["raise_caught"]:
+        with s.block("except StepError as e:"):
+            s('R["log"].append(("caught", step, str(e)))', "continue")
+    if f["op_error"]:
+        with s.block("except tf.errors.InvalidArgumentError:"):
+            s('R["log"].append(("op error", step))', "continue")
+
+
+_HARNESS = '''\
+# ------------------------------------------------------------------ harness (same in every program)
+def run(Tape):
+    """Run the program with `Tape`; everything it did, as plain values."""
+    R = {}
+    STEP[0] = None
+    printed = io.StringIO()
+    error = None
+    try:
+        with contextlib.redirect_stdout(printed):
+            program(Tape, R)
+    except Exception as e:  # the program's own exception, or one Terra raised
+        lines = [fr.lineno for fr in traceback.extract_tb(e.__traceback__)
+                 if fr.filename == __file__ and fr.name == "program"]
+        error = (type(e).__name__, STEP[0], lines[-1] if lines else None, str(e)[:300])
+    end_error = None
+    if Tape is not tf.GradientTape:
+        try:
+            terra.end_iteration()
+        except Exception as e:
+            end_error = f"{type(e).__name__}: {str(e)[:300]}"
+    out = {k: v for k, v in R.items() if k not in ("models", "opt", "aux_opt")}
+    out["printed"] = printed.getvalue().splitlines()
+    out["error"] = error
+    out["end_error"] = end_error
+    if "opt" in R:
+        out["iterations"] = int(R["opt"].iterations)
+        out["variables"] = [v.numpy() for m in R["models"] for v in m.weights] + \\
+            [v.numpy() for o in (R["opt"], R.get("aux_opt")) if o for v in o.variables]
+    return out
+
+
+def _same(a, b, exact):
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if exact or not np.issubdtype(a.dtype, np.floating):
+        return np.array_equal(a, b, equal_nan=True)
+    return np.allclose(a, b, rtol=1e-5, atol=1e-7, equal_nan=True)
+
+
+def compare(eager, got, exact=EXACT):
+    """The differences of Terra's outcome from eager's (empty: equal)."""
+    problems = []
+    for key in sorted(set(eager) | set(got)):
+        e, t = eager.get(key), got.get(key)
+        if key == "error":
+            same = (e is None) == (t is None) and (e is None or e[:3] == t[:3])
+        elif key in ("variables", "kept_grads", "losses", "kept", "total"):
+            if isinstance(e, list) and isinstance(t, list):
+                same = len(e) == len(t) and all(_same(x, y, exact) for x, y in zip(e, t))
+            else:
+                same = e is t or (e is not None and t is not None and _same(e, t, exact))
+        else:
+            same = e == t
+        if not same:
+            gap = _gap(e, t) if key in ("variables", "kept_grads", "losses", "kept") else ""
+            problems.append(f"{key}: eager {_show(e)} | terra {_show(t)}{gap}")
+    return problems
+
+
+def _gap(e, t):
+    """Where two lists of arrays differ: the first index and the largest difference."""
+    if not (isinstance(e, list) and isinstance(t, list) and len(e) == len(t)):
+        return ""
+    for i, (a, b) in enumerate(zip(e, t)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if a.shape == b.shape and not np.array_equal(a, b, equal_nan=True):
+            nan = np.isnan(a) != np.isnan(b)  # NaN on one side only: an infinite difference
+            d = np.where(nan, np.inf, np.nan_to_num(np.abs(a - b), nan=0.0))
+            rel = d / np.maximum(np.nan_to_num(np.abs(a), nan=0.0), 1e-30)
+            return (f" (first at [{i}]: max abs diff {d.max():.3g}, "
+                    f"max rel diff {rel.max():.3g})")
+    return ""
+
+
+def _show(v):
+    if isinstance(v, list) and v and isinstance(v[0], np.ndarray):
+        return "[" + ", ".join(np.array2string(a.ravel()[:3], precision=9) for a in v) + "]"
+    if isinstance(v, list) and v and isinstance(v[0], float):
+        return "[" + ", ".join(repr(x) for x in v) + "]"
+    return repr(v)
+
+
+STATS = {}  # terra.stats() of the last Terra run
+
+
+def run_both():
+    """Eager, then Terra; returns (eager outcome, Terra outcome, differences, terra.explain())."""
+    terra.reset()
+    eager = run(tf.GradientTape)
+    terra.reset()
+    old = terra.config(**TERRA_CONFIG)
+    try:
+        got = run(tf.TerraGradientTape)
+        explain = terra.explain()
+        STATS.clear()
+        STATS.update(terra.stats())
+    finally:
+        terra.reset()
+        terra.config(**old)
+    return eager, got, compare(eager, got), explain
+
+
+if __name__ == "__main__":
+    eager, got, problems, explain = run_both()
+    for name, o in (("eager", eager), ("terra", got)):
+        print(f"--- {name}")
+        for k in sorted(o):
+            print(f"{k}: {_show(o[k])}")
+    if problems:
+        print("--- DIFFERENT from eager:")
+        print("\\n".join(problems))
+        print("--- terra.explain():")
+        print(explain)
+        sys.exit(1)
+    print("--- same as eager")'''
