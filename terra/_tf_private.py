@@ -289,7 +289,9 @@ class ForwardBackwardPair:
 
     def backward(self, output_grads, captures):
         out = self._backward._call_flat(list(output_grads), list(captures))  # pylint: disable=protected-access
-        flat = [] if out is None else (list(out) if isinstance(out, (list, tuple)) else [out])
+        # `_call_flat` already packs composites (an IndexedSlices gradient comes back as one
+        # object, not its values/indices/dense_shape): flatten both sides the same way.
+        flat = [] if out is None else _nest.flatten(out, expand_composites=True)
         return _nest.pack_sequence_as(self._backward.structured_outputs, flat, expand_composites=True)
 
 

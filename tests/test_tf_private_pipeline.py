@@ -38,3 +38,28 @@ def test_forward_backward_pair_splits_a_function_and_matches_the_tape():
     assert len(grads) == 2  # one per forward-graph input: x, then the captured variable handle
     np.testing.assert_allclose(grads[0].numpy(), gx.numpy(), rtol=1e-6)
     np.testing.assert_allclose(grads[1].numpy(), gw.numpy(), rtol=1e-6)
+
+
+def test_backward_keeps_an_indexed_slices_gradient_whole():
+    """`_call_flat` packs composites itself; the pair's backward must not pack them again (a
+    gathered weight's IndexedSlices gradient made "Could not pack sequence")."""
+    emb = tf.Variable(tf.reshape(tf.range(40, dtype=tf.float32), (10, 4)) / 40.0)
+    w = tf.Variable(tf.ones((4, 3)))
+
+    @tf.function(autograph=False)
+    def f(ids):
+        return tf.reduce_sum(tf.matmul(tf.gather(emb, ids), w) ** 2)
+
+    concrete = f.get_concrete_function(tf.TensorSpec((5,), tf.int32))
+    pair = _tf_private.forward_backward_pair(concrete)
+    ids = tf.constant([1, 2, 2, 7, 0])
+    outs = pair.forward(ids, *concrete.captured_inputs)
+    grads = pair.backward([tf.constant(1.0)], [outs[k] if kind == "side" else k
+                                                for kind, k in pair.capture_sources])
+    with tf.GradientTape() as tape:
+        ref = tf.reduce_sum(tf.matmul(tf.gather(emb, ids), w) ** 2)
+    r_emb, r_w = tape.gradient(ref, [emb, w])
+    assert grads[0] is None and isinstance(grads[1], tf.IndexedSlices)
+    np.testing.assert_array_equal(tf.convert_to_tensor(grads[1]).numpy(), tf.convert_to_tensor(r_emb).numpy())
+    np.testing.assert_array_equal(grads[2].numpy(), r_w.numpy())
+
