@@ -29,6 +29,7 @@ from terra.pipeline import memory as memory_lib
 from terra.pipeline import transport
 from terra.pipeline.actions import B, EVICT, F, LOAD, RECV, SEND, W
 from terra.pipeline.stage import StageProgram, lm_loss, sequential, trainable_variables
+from terra.pipeline.validate import ScheduleError, validate  # noqa: F401 - ScheduleError re-exported
 
 
 # ---------------------------------------------------------------------------------- schedules
@@ -48,12 +49,21 @@ def _schedules():
     return table
 
 
+#: Options each schedule name takes (anything else is a typo that would be silently ignored).
+SCHEDULE_OPTIONS = {"interleaved": ("v",), "kfkb": ("k",)}
+
+
 def make_schedule(name: str, p: int, m: int, balance: Optional[str] = None, **options):
     """Schedule ``name`` for ``p`` ranks and ``m`` micro-batches, with BPipe transfers when
     ``balance == "bpipe"``. ``options``: ``v`` (interleaved chunks), ``k`` (kFkB group)."""
     table = _schedules()
     if name not in table:
         raise ValueError(f"unknown schedule {name!r}; expected one of {sorted(table)}")
+    takes = SCHEDULE_OPTIONS.get(name, ())
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for schedule {name!r}; it takes "
+                         f"{list(takes) if takes else 'none'}")
     schedule = table[name](p, m, options)
     if balance is None:
         return schedule
@@ -101,6 +111,21 @@ def _same_device(a: str, b: str) -> bool:
     a, b = tf.DeviceSpec.from_string(a or ""), tf.DeviceSpec.from_string(b or "")
     return all(getattr(a, f) is None or getattr(b, f) is None or getattr(a, f) == getattr(b, f)
                for f in ("job", "replica", "task", "device_type", "device_index"))
+
+
+def _check_devices(rank_devices) -> None:
+    """Every device must exist (locally or on a connected cluster): TF would otherwise place the
+    stage silently elsewhere (soft placement) and the plan would not be what runs."""
+    known = [d.name for d in tf.config.list_logical_devices()]
+    full = [_full(k) for k in known]
+    for devices in rank_devices:
+        for d in devices:
+            try:
+                spec = tf.DeviceSpec.from_string(d)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"device {d!r} is not a device name: {e}") from None
+            if spec.device_type is None or not any(_same_device(d, k) for k in full):
+                raise ValueError(f"device {d!r} does not exist; devices here: {known}")
 
 
 def _variable_device(v) -> str:
@@ -170,7 +195,10 @@ class PipelineTrainer:
     update: its gradient is summed over the parts using it and applied once.
     ``one_optimizer=True`` builds one optimizer over all variables (applied after the flush, so
     ``global_clipnorm`` sees the whole model's gradient) instead of one per part.
-    A variable not on the device of a part that uses it is rejected when the trainer is built.
+
+    Rejected before anything runs, with the problem named: devices that do not exist, variables
+    not on the device of a part that uses them, options the schedule does not take, and a
+    schedule that fails `terra.pipeline.validate`.
     """
 
     def __init__(self, stages: Sequence, optimizer_factory: Callable, *, devices: Sequence[str],
@@ -187,6 +215,7 @@ class PipelineTrainer:
         if len(data_parallel_stages) != self.dp - 1:
             raise ValueError(f"{self.dp} data-parallel devices per rank need {self.dp - 1} more copies "
                              f"of the parts in data_parallel_stages, got {len(data_parallel_stages)}")
+        _check_devices(self.rank_devices)
         self.devices = [d[0] for d in self.rank_devices]
         p = len(self.devices)
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
@@ -198,6 +227,10 @@ class PipelineTrainer:
             self.schedule = schedule
             if balance is not None:
                 raise ValueError("pass balance only with a schedule name (the given schedule is used as is)")
+            if schedule_options:
+                raise ValueError(f"unknown option(s) {sorted(schedule_options)}: options apply to a "
+                                 f"schedule name, the given schedule is used as is")
+        validate(self.schedule)  # a schedule that would deadlock or miss work never starts
         sch = self.schedule
         if sch.p != p or sch.m != microbatches:
             raise ValueError(f"schedule is for p={sch.p}, m={sch.m}; trainer has {p} devices and "
