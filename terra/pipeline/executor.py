@@ -23,6 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
+import keras
 import tensorflow as tf
 
 from terra.pipeline import memory as memory_lib
@@ -312,6 +313,12 @@ class PipelineTrainer:
                 self.optimizer = self.optimizer_factory()
                 self.optimizer.build(owned)
             self._apply_all = _compiled_apply(self.optimizer, owned)
+        # One loss scale seeds every stage's backward, so it must belong to one optimizer.
+        self._loss_scaler = self.optimizer if self.one_optimizer else self.parts[-1].optimizer
+        if not self.one_optimizer and any(isinstance(part.optimizer, keras.optimizers.LossScaleOptimizer)
+                                          for row in self.replicas for part in row):
+            raise ValueError("a LossScaleOptimizer needs one_optimizer=True: one dynamic scale "
+                             "seeds the backward of every stage")
         self._accumulate = tf.function(lambda acc, g: [a + b for a, b in zip(acc, g)], autograph=False)
         for r in range(sch.p):
             stages = [part for g in sch.stages_of(r) for part in self.replicas[g]]
@@ -392,11 +399,14 @@ class PipelineTrainer:
 
     def step(self, x, y, apply: bool = True) -> float:
         """One training step on batch (x, y): returns the mean loss over the batch. The summed
-        per-part gradients stay in ``last_gradients``; ``apply=False`` skips the update."""
+        per-part gradients stay in ``last_gradients`` (multiplied by the loss scale when the
+        optimizer scales the loss: what its ``apply_gradients`` takes); ``apply=False`` skips
+        the update."""
         state, specs = self._start(x, y)
         if self._built_for != specs:
             self._build(*specs)
         sch = self.schedule
+        state.seed = float(self._loss_scaler.scale_loss(state.seed))
         start = time.perf_counter()
         self._run_ranks(state, _StepState.run_rank)
         leftovers = state.mailbox.pending()
@@ -498,6 +508,7 @@ class _StepState:
         self.errors = []
         self.lock = threading.Lock()
         self.transfer_seconds = [0.0] * trainer.schedule.p
+        self.seed = 1.0 / (trainer.m * trainer.dp)  # the last stage's output gradient
 
     def guard(self, rank: int, body):
         """Run ``body(self, rank)``; a failure is kept for the caller and aborts every rank."""
@@ -575,7 +586,7 @@ class _StepState:
         for j, (part, pack) in enumerate(zip(self.t.replicas[a.stage], packs)):
             if part.is_last:
                 with tf.device(part.device):
-                    grad = tf.constant(1.0 / (self.t.m * self.t.dp), part.program.output_spec.dtype)
+                    grad = tf.constant(self.seed, part.program.output_spec.dtype)
             else:
                 grad = self.mailbox.get(("g", a.stage, a.microbatch, j))
             if not pack.resident:

@@ -242,3 +242,38 @@ def test_one_optimizer_clips_by_the_global_norm():
             assert trainer.optimizer is not None and all(p.optimizer is None for p in trainer.parts)
     assert max_err(results[0], ref_after) < TOL
     assert max_err(results[1], ref_after) > 1e-3
+
+
+def test_a_loss_scale_optimizer_seeds_every_stage_with_its_one_scale():
+    """The backward starts from the optimizer's scaled loss and its update unscales: the result
+    equals single-device training with the same LossScaleOptimizer (scale 2**10 here); with one
+    optimizer per part there would be one dynamic scale per part, which is refused."""
+    devices = logical_cpus(2)
+    parts = keras_parts(devices)
+    x, y = tokens(8, seed=5)
+    make = lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=2.0 ** 10)  # noqa: E731
+    ref_opt = make()
+    variables = st.trainable_variables([layer for part in parts for layer in part])
+    every = all_variables(parts)
+    before = snapshot(every)
+    total = None
+    for xi, yi in zip(np.split(x, 4), np.split(y, 4)):
+        with tf.GradientTape() as tape:
+            loss = ref_opt.scale_loss(st.lm_loss(yi, st.sequential(parts[0] + parts[1], True)(xi)) / 4)
+        grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, variables)]
+        total = grads if total is None else [a + b for a, b in zip(total, grads)]
+    ref_opt.apply_gradients(zip(total, variables))
+    ref_after = snapshot(every)
+    restore(every, before)
+    trainer = _trainer(parts, devices, optimizer=make, one_optimizer=True)
+    try:
+        trainer.step(x, y)
+    finally:
+        trainer.close()
+    assert max_err(snapshot(every), ref_after) < TOL
+    assert max_err([g for part in trainer.last_gradients for g in part], [g.numpy() for g in total]) < 2.0 ** 10 * TOL
+    restore(every, before)
+    trainer = _trainer(parts, devices, optimizer=make)
+    with pytest.raises(ValueError, match="a LossScaleOptimizer needs one_optimizer=True"):
+        trainer.step(x, y)
+    trainer.close()
