@@ -308,7 +308,7 @@ class PipelineTrainer:
                     part.apply = _compiled_apply(part.optimizer, owned) if owned else (lambda grads: None)
             spec = row[0].program.output_spec
         if self.one_optimizer and self.optimizer is None:
-            owned = [part.variables[i] for part in self.parts for i in part.owned]
+            owned = [part.variables[i] for part in self.parts[:sch.pipe_depth] for i in part.owned]
             with tf.device(self.devices[0]):  # Keras colocates each slot with its variable
                 self.optimizer = self.optimizer_factory()
                 self.optimizer.build(owned)
@@ -442,7 +442,7 @@ class PipelineTrainer:
                         part.apply([grads[g % d][i] for i in part.owned])
             return
         with tf.device(self.devices[0]):
-            self._apply_all([grads[k][i] for k, part in enumerate(self.parts) for i in part.owned])
+            self._apply_all([grads[k][i] for k, part in enumerate(self.parts[:d]) for i in part.owned])
         for g, row in enumerate(self.replicas):  # other copies (Chimera, data parallel) follow
             for part in row:
                 if part is not self.parts[g % d]:

@@ -277,3 +277,38 @@ def test_a_loss_scale_optimizer_seeds_every_stage_with_its_one_scale():
     with pytest.raises(ValueError, match="a LossScaleOptimizer needs one_optimizer=True"):
         trainer.step(x, y)
     trainer.close()
+
+
+@pytest.mark.parametrize("name,options", [("gpipe", {}), ("1f1b", {}), ("interleaved", {"v": 2}), ("kfkb", {"k": 2}),
+                                          ("chimera", {}), ("zb-h1", {}), ("zb-v", {})])
+def test_every_schedule_runs_each_stages_forwards_in_microbatch_order(name, options):
+    """What makes a stage's Dropout draws and BatchNorm updates those of one device: a stage's
+    stateful layers see micro-batches 0, 1, ... in order (BPipe moves packs, never forwards)."""
+    from terra.pipeline.actions import F
+    for p, m in ((2, 4), (4, 8), (8, 8)):
+        for balance in (None, "bpipe"):
+            sch = ex.make_schedule(name, p, m, balance, **options)
+            for stage in range(sch.num_stages):
+                order = [a.microbatch for r in range(p) for a in sch.compute_order(r)
+                         if a.kind is F and a.stage == stage]
+                assert order == sorted(order), (name, p, m, balance, stage, order)
+
+
+def test_one_optimizer_with_chimera_updates_both_pipelines_like_one_device():
+    from tests.pipeline._model import batch, reference
+    devices = logical_cpus(4)
+    parts = st.tiny_gpt(4, devices=devices)
+    replicas = st.tiny_gpt(4, devices=devices[::-1])
+    x, y = batch(8)
+    _, ref_grads, ref_weights, variables = reference(parts, x, y, keras.optimizers.Adam(1e-3))
+    trainer = ex.PipelineTrainer(parts, lambda: keras.optimizers.Adam(1e-3), devices=devices,
+                                 schedule="chimera", microbatches=4, replica_stages=replicas,
+                                 one_optimizer=True)
+    try:
+        trainer.step(x, y)
+    finally:
+        trainer.close()
+    assert max_err([g for part in trainer.last_gradients for g in part], ref_grads) < TOL
+    assert max_err([v.numpy() for v in variables], ref_weights) < TOL
+    rvars = [v for part in replicas for v in st.trainable_variables(part)]
+    assert max_err([v.numpy() for v in rvars], ref_weights) < TOL
