@@ -129,6 +129,23 @@ def _check_devices(rank_devices) -> None:
                 raise ValueError(f"device {d!r} does not exist; devices here: {known}")
 
 
+def _check_pairs(devices, schedule) -> None:
+    """BPipe moves packs between each evictor and its acceptor, so a pair belongs on one host
+    (pair-adjacent placement); refuse devices ordered so that more pairs cross hosts than the
+    pair-adjacent order of the same devices would leave crossing."""
+    from terra.pipeline import placement
+    pairs = sorted({(r, a.peer) for r in range(schedule.p) for row in schedule.transfers[r]
+                    for a in row if a.kind is EVICT})
+    split = placement.split_pairs(devices, pairs)
+    best = placement.split_pairs(placement.rank_devices(sorted(devices, key=placement.host), "bpipe"), pairs)
+    if len(split) > len(best):
+        raise ValueError(
+            f"BPipe pairs (evictor, acceptor) {split} run on different hosts, so every pack move "
+            f"crosses the network; the pair-adjacent order leaves {len(best)} of {len(pairs)} "
+            f"pairs split: pass devices=terra.pipeline.placement.rank_devices(devices listed host "
+            f"by host, 'bpipe') and build part r on devices[r]")
+
+
 def _variable_device(v) -> str:
     return v.handle.device
 
@@ -232,6 +249,7 @@ class PipelineTrainer:
                 raise ValueError(f"unknown option(s) {sorted(schedule_options)}: options apply to a "
                                  f"schedule name, the given schedule is used as is")
         validate(self.schedule)  # a schedule that would deadlock or miss work never starts
+        _check_pairs(self.devices, self.schedule)
         sch = self.schedule
         if sch.p != p or sch.m != microbatches:
             raise ValueError(f"schedule is for p={sch.p}, m={sch.m}; trainer has {p} devices and "
