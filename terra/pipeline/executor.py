@@ -212,11 +212,14 @@ class PipelineTrainer:
     used by several parts (tied weights) lives on the device of one of them, which owns its
     update: its gradient is summed over the parts using it and applied once.
     ``one_optimizer=True`` builds one optimizer over all variables (applied after the flush, so
-    ``global_clipnorm`` sees the whole model's gradient) instead of one per part.
+    ``global_clipnorm`` sees the whole model's gradient) instead of one per part; the last stage
+    seeds its backward with the optimizer's ``scale_loss``, so a ``LossScaleOptimizer`` works
+    there (one dynamic scale for every stage).
 
     Rejected before anything runs, with the problem named: devices that do not exist, variables
-    not on the device of a part that uses them, options the schedule does not take, and a
-    schedule that fails `terra.pipeline.validate`.
+    not on the device of a part that uses them, options the schedule does not take, a schedule
+    that fails `terra.pipeline.validate`, and with BPipe devices on which more evictor/acceptor
+    pairs cross hosts than in the pair-adjacent order (`placement.rank_devices`).
     """
 
     def __init__(self, stages: Sequence, optimizer_factory: Callable, *, devices: Sequence[str],
