@@ -365,12 +365,21 @@ class PipelineTrainer:
     def _start(self, x, y):
         """Split the batch into micro-batches (and data-parallel shards), post them to the first
         stages; returns the step's state and the micro-batch specs."""
-        x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
-        if x.shape[0] is None or x.shape[0] % (self.m * self.dp):
-            raise ValueError(f"batch size {x.shape[0]} must be a multiple of microbatches={self.m}"
+        x, y = tf.nest.map_structure(tf.convert_to_tensor, x), tf.convert_to_tensor(y)
+        n = self.m * self.dp
+        sizes = {t.shape[0] for t in tf.nest.flatten(x)} | {y.shape[0]}
+        if len(sizes) != 1:
+            raise ValueError(f"every input and the labels need the same batch size, got {sorted(sizes, key=str)}")
+        size = sizes.pop()
+        if size is None or size % n:
+            raise ValueError(f"batch size {size} must be a multiple of microbatches={self.m}"
                              + (f" x data-parallel copies={self.dp}" if self.dp > 1 else ""))
-        xs, ys = tf.split(x, self.m * self.dp), tf.split(y, self.m * self.dp)
-        specs = (tf.TensorSpec(xs[0].shape, xs[0].dtype), tf.TensorSpec(ys[0].shape, ys[0].dtype))
+        # x may be a nested structure (token ids and a mask): every leaf is split the same way.
+        leaves = [tf.split(t, n) for t in tf.nest.flatten(x)]
+        xs = [tf.nest.pack_sequence_as(x, [leaf[i] for leaf in leaves]) for i in range(n)]
+        ys = tf.split(y, n)
+        specs = (tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), xs[0]),
+                 tf.TensorSpec(ys[0].shape, ys[0].dtype))
         sch = self.schedule
         state = _StepState(self, transport.Mailbox(self.timeout))
         first = {a.microbatch: a.stage for r in range(sch.p) for a in sch.compute_order(r)

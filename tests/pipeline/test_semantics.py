@@ -312,3 +312,46 @@ def test_one_optimizer_with_chimera_updates_both_pipelines_like_one_device():
     assert max_err([v.numpy() for v in variables], ref_weights) < TOL
     rvars = [v for part in replicas for v in st.trainable_variables(part)]
     assert max_err([v.numpy() for v in rvars], ref_weights) < TOL
+
+
+class _Masked:
+    """First part taking a nested batch: token ids and a padding mask."""
+
+    def __init__(self, device):
+        with tf.device(device):
+            self.emb = _built(keras.layers.Embedding(VOCAB, D, embeddings_initializer=_init(8)), (None, SEQ))
+        self.trainable_variables = self.emb.trainable_variables
+
+    def __call__(self, batch):
+        return {"h": self.emb(batch["ids"]), "mask": batch["mask"]}
+
+
+def test_the_batch_may_be_a_nested_structure():
+    devices = logical_cpus(2)
+    parts = [[_Masked(devices[0])], [_Out(devices[1])]]
+    ids, y = tokens(8, seed=6)
+    x = {"ids": ids, "mask": (ids % 2).astype("int32")}
+    variables = st.trainable_variables([layer for part in parts for layer in part])
+    every = all_variables(parts)
+    before = snapshot(every)
+    total, losses = None, []
+    for i in range(4):
+        xi = {k: v[2 * i:2 * i + 2] for k, v in x.items()}
+        with tf.GradientTape() as tape:
+            loss = st.lm_loss(y[2 * i:2 * i + 2], parts[1][0](parts[0][0](xi)))
+        grads = [tf.convert_to_tensor(g) / 4 for g in tape.gradient(loss, variables)]
+        total = grads if total is None else [a + b for a, b in zip(total, grads)]
+        losses.append(float(loss))
+    keras.optimizers.SGD(0.5).apply_gradients(zip(total, variables))
+    ref_after = snapshot(every)
+    restore(every, before)
+    trainer = _trainer(parts, devices, optimizer=lambda: keras.optimizers.SGD(0.5))
+    try:
+        assert trainer.evaluate(x, y) == pytest.approx(float(np.mean(losses)), abs=TOL)  # no Dropout here
+        loss = trainer.step(x, y)
+        with pytest.raises(ValueError, match="same batch size"):
+            trainer.step({"ids": ids, "mask": x["mask"][:4]}, y)
+    finally:
+        trainer.close()
+    assert loss == pytest.approx(float(np.mean(losses)), abs=TOL)
+    assert max_err(snapshot(every), ref_after) < TOL
