@@ -355,3 +355,38 @@ def test_the_batch_may_be_a_nested_structure():
         trainer.close()
     assert loss == pytest.approx(float(np.mean(losses)), abs=TOL)
     assert max_err(snapshot(every), ref_after) < TOL
+
+
+def deep_keras_parts(devices):
+    """Four parts with a Dropout and a BatchNorm in each middle part."""
+    parts = keras_parts([devices[0], devices[-1]])
+    middle = []
+    for k, device in enumerate(devices[1:-1]):
+        with tf.device(device):
+            middle.append([_built(keras.layers.Dense(D, activation="relu", kernel_initializer=_init(20 + k)),
+                                  (None, SEQ, D)),
+                           keras.layers.Dropout(0.3, seed=30 + k),
+                           _built(keras.layers.BatchNormalization(), (None, SEQ, D))])
+    return [parts[0]] + middle + [parts[1]]
+
+
+@pytest.mark.parametrize("schedule,balance", [("1f1b", "bpipe"), ("zb-v", None)])
+def test_four_stages_with_dropout_and_batchnorm_match_one_device(schedule, balance):
+    """Dropout masks saved for the backward survive an evict/load round trip (1F1B + BPipe) and
+    a split backward over two chunks per rank (ZB-V: 8 parts)."""
+    devices = logical_cpus(4)
+    plan = ex.make_schedule(schedule, 4, 8, balance)
+    parts = deep_keras_parts([devices[plan.stage_ranks[k]] for k in range(plan.pipe_depth)])
+    x, y = tokens(16, seed=7)
+    ref_loss, ref_grads, ref_after = microbatch_reference(parts, x, y, 8, keras.optimizers.Adam(0.01))
+    every = all_variables(parts)
+    trainer = ex.PipelineTrainer(parts, lambda: keras.optimizers.Adam(0.01), devices=devices,
+                                 schedule=schedule, balance=balance, microbatches=8)
+    try:
+        loss = trainer.step(x, y)
+    finally:
+        trainer.close()
+    assert any(a.kind.name == "EVICT" for _, _, a in trainer.schedule.actions()) == (balance == "bpipe")
+    assert loss == pytest.approx(ref_loss, abs=TOL)
+    assert max_err([g for part in trainer.last_gradients for g in part], ref_grads) < TOL
+    assert max_err(snapshot(every), ref_after) < TOL
