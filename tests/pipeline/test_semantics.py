@@ -312,6 +312,11 @@ def test_one_optimizer_with_chimera_updates_both_pipelines_like_one_device():
     assert max_err([v.numpy() for v in variables], ref_weights) < TOL
     rvars = [v for part in replicas for v in st.trainable_variables(part)]
     assert max_err([v.numpy() for v in rvars], ref_weights) < TOL
+    # Adam's two slots sit with each variable (rank 0 also holds the step count and the rate).
+    from terra.pipeline.memory import variable_bytes
+    expected = [2 * variable_bytes(st.trainable_variables(part)) + (12 if r == 0 else 0)
+                for r, part in enumerate(parts)]
+    assert [r["optimizer"] for r in trainer.ledger.report()] == expected
 
 
 class _Masked:
