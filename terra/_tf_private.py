@@ -262,6 +262,7 @@ def install_tensor_array_index_guard(placeholder_cls):
 # the same pair itself and calls both halves directly.
 from dataclasses import dataclass as _dataclass
 
+from tensorflow.python.eager import backprop_util as _backprop_util
 from tensorflow.python.eager.polymorphic_function import concrete_function as _concrete_function
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.util import nest as _nest
@@ -276,6 +277,8 @@ class ForwardBackwardPair:
     input gets none; IndexedSlices stay IndexedSlices).
     ``capture_sources[j]`` says where backward capture j comes from: ``("side", k)`` is forward
     output k, ``("external", tensor)`` is an eager tensor captured as is.
+    ``grad_outputs``: the real outputs the backward takes a gradient for, in its argument order
+    (TF's `IsTrainable` outputs: float, complex, resource, variant; an integer mask takes none).
     """
     forward_graph: object
     num_outputs: int
@@ -283,14 +286,21 @@ class ForwardBackwardPair:
     capture_sources: tuple
     _forward: object
     _backward: object
+    grad_outputs: tuple = ()
 
     def forward(self, *flat_args):
         return self._forward.call_flat(*flat_args)
 
     def backward(self, output_grads, captures):
         out = self._backward._call_flat(list(output_grads), list(captures))  # pylint: disable=protected-access
-        flat = [] if out is None else (list(out) if isinstance(out, (list, tuple)) else [out])
+        # `_call_flat` already packs composites (an IndexedSlices gradient comes back as one
+        # object, not its values/indices/dense_shape): flatten both sides the same way.
+        flat = [] if out is None else _nest.flatten(out, expand_composites=True)
         return _nest.pack_sequence_as(self._backward.structured_outputs, flat, expand_composites=True)
+
+
+# TF's rule for which function outputs get a gradient argument in the backward function.
+_is_trainable = _backprop_util.IsTrainable
 
 
 def forward_backward_pair(concrete_fn) -> ForwardBackwardPair:
@@ -314,8 +324,12 @@ def forward_backward_pair(concrete_fn) -> ForwardBackwardPair:
             raise RuntimeError(f"backward capture {capture} is neither a forward output nor eager")
     num_outputs = functions._num_inference_outputs  # pylint: disable=protected-access
     num_output_grads = len(backward.inputs) - len(backward.captured_inputs)
+    grad_outputs = tuple(i for i, t in enumerate(graph.outputs[:num_outputs]) if _is_trainable(t))
+    if len(grad_outputs) != num_output_grads:
+        raise RuntimeError(f"backward takes {num_output_grads} output gradients, but "
+                           f"{len(grad_outputs)} outputs are trainable")
     return ForwardBackwardPair(graph, num_outputs, num_output_grads, tuple(sources),
-                               forward, backward)
+                               forward, backward, grad_outputs)
 
 
 

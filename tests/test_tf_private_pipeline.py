@@ -38,3 +38,51 @@ def test_forward_backward_pair_splits_a_function_and_matches_the_tape():
     assert len(grads) == 2  # one per forward-graph input: x, then the captured variable handle
     np.testing.assert_allclose(grads[0].numpy(), gx.numpy(), rtol=1e-6)
     np.testing.assert_allclose(grads[1].numpy(), gw.numpy(), rtol=1e-6)
+
+
+def test_backward_keeps_an_indexed_slices_gradient_whole():
+    """`_call_flat` packs composites itself; the pair's backward must not pack them again (a
+    gathered weight's IndexedSlices gradient made "Could not pack sequence")."""
+    emb = tf.Variable(tf.reshape(tf.range(40, dtype=tf.float32), (10, 4)) / 40.0)
+    w = tf.Variable(tf.ones((4, 3)))
+
+    @tf.function(autograph=False)
+    def f(ids):
+        return tf.reduce_sum(tf.matmul(tf.gather(emb, ids), w) ** 2)
+
+    concrete = f.get_concrete_function(tf.TensorSpec((5,), tf.int32))
+    pair = _tf_private.forward_backward_pair(concrete)
+    ids = tf.constant([1, 2, 2, 7, 0])
+    outs = pair.forward(ids, *concrete.captured_inputs)
+    grads = pair.backward([tf.constant(1.0)], [outs[k] if kind == "side" else k
+                                                for kind, k in pair.capture_sources])
+    with tf.GradientTape() as tape:
+        ref = tf.reduce_sum(tf.matmul(tf.gather(emb, ids), w) ** 2)
+    r_emb, r_w = tape.gradient(ref, [emb, w])
+    assert grads[0] is None and isinstance(grads[1], tf.IndexedSlices)
+    np.testing.assert_array_equal(tf.convert_to_tensor(grads[1]).numpy(), tf.convert_to_tensor(r_emb).numpy())
+    np.testing.assert_array_equal(grads[2].numpy(), r_w.numpy())
+
+
+def test_backward_takes_gradients_for_trainable_outputs_only():
+    """TF's backward function takes one gradient per float output and none for an integer one;
+    `grad_outputs` says which (a stage sending a residual stream plus a mask relies on it)."""
+    w = tf.Variable([[1.0, 2.0], [3.0, 4.0]])
+
+    @tf.function(autograph=False)
+    def f(x):
+        return tf.cast(x > 0, tf.int32), tf.matmul(x, w), 2.0 * x
+
+    concrete = f.get_concrete_function(tf.TensorSpec((2, 2)))
+    pair = _tf_private.forward_backward_pair(concrete)
+    assert pair.num_outputs == 3 and pair.grad_outputs == (1, 2) and pair.num_output_grads == 2
+    x = tf.constant([[1.0, -1.0], [0.5, 2.0]])
+    outs = pair.forward(x, *concrete.captured_inputs)
+    grads = pair.backward([tf.ones((2, 2)), tf.ones((2, 2))],
+                          [outs[k] if kind == "side" else k for kind, k in pair.capture_sources])
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        ref = tf.reduce_sum(tf.matmul(x, w)) + tf.reduce_sum(2.0 * x)
+    gx, gw = tape.gradient(ref, [x, w])
+    np.testing.assert_array_equal(grads[0].numpy(), gx.numpy())
+    np.testing.assert_array_equal(grads[1].numpy(), gw.numpy())

@@ -23,12 +23,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
+import keras
 import tensorflow as tf
 
 from terra.pipeline import memory as memory_lib
 from terra.pipeline import transport
 from terra.pipeline.actions import B, EVICT, F, LOAD, RECV, SEND, W
 from terra.pipeline.stage import StageProgram, lm_loss, sequential, trainable_variables
+from terra.pipeline.validate import ScheduleError, validate  # noqa: F401 - ScheduleError re-exported
 
 
 # ---------------------------------------------------------------------------------- schedules
@@ -48,12 +50,21 @@ def _schedules():
     return table
 
 
+#: Options each schedule name takes (anything else is a typo that would be silently ignored).
+SCHEDULE_OPTIONS = {"interleaved": ("v",), "kfkb": ("k",)}
+
+
 def make_schedule(name: str, p: int, m: int, balance: Optional[str] = None, **options):
     """Schedule ``name`` for ``p`` ranks and ``m`` micro-batches, with BPipe transfers when
     ``balance == "bpipe"``. ``options``: ``v`` (interleaved chunks), ``k`` (kFkB group)."""
     table = _schedules()
     if name not in table:
         raise ValueError(f"unknown schedule {name!r}; expected one of {sorted(table)}")
+    takes = SCHEDULE_OPTIONS.get(name, ())
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for schedule {name!r}; it takes "
+                         f"{list(takes) if takes else 'none'}")
     schedule = table[name](p, m, options)
     if balance is None:
         return schedule
@@ -68,18 +79,101 @@ def make_schedule(name: str, p: int, m: int, balance: Optional[str] = None, **op
 
 # ----------------------------------------------------------------------------------- trainer
 class _Part:
-    """One model part on one device: its stage programs are built lazily per micro-batch shape."""
+    """One model part on one device: its stage programs are built lazily per micro-batch shape.
+    ``fn`` runs its layers with ``training=True`` (training steps), ``eval_fn`` with
+    ``training=False`` (forward-only steps). ``owned`` indexes the variables this part updates:
+    a variable shared with another part (tied weights) is updated by one of them only."""
 
     def __init__(self, callables, device, is_last, loss_fn):
         self.callables = list(callables) if isinstance(callables, (list, tuple)) else [callables]
         self.device = device
         self.is_last = is_last
         self.variables = trainable_variables(self.callables)
-        fn = sequential(self.callables)
-        self.fn = (lambda x, labels: loss_fn(labels, fn(x))) if is_last else fn
+        self.owned = list(range(len(self.variables)))
+        self.fn, self.eval_fn = (self._loss(sequential(self.callables, training), loss_fn)
+                                 for training in (True, False))
         self.program: Optional[StageProgram] = None
+        self.evaluator = None
         self.optimizer = None
         self.apply = None
+
+    def _loss(self, fn, loss_fn):
+        return (lambda x, labels: loss_fn(labels, fn(x))) if self.is_last else fn
+
+
+def _full(name: str) -> str:
+    """``name`` with the local job, replica and task where it names none (TF's reading)."""
+    local = tf.DeviceSpec(job="localhost", replica=0, task=0)
+    return local.make_merged_spec(tf.DeviceSpec.from_string(name or "")).to_string()
+
+
+def _same_device(a: str, b: str) -> bool:
+    """Whether device names ``a`` and ``b`` agree on every field both of them name."""
+    a, b = tf.DeviceSpec.from_string(a or ""), tf.DeviceSpec.from_string(b or "")
+    return all(getattr(a, f) is None or getattr(b, f) is None or getattr(a, f) == getattr(b, f)
+               for f in ("job", "replica", "task", "device_type", "device_index"))
+
+
+def _check_devices(rank_devices) -> None:
+    """Every device must exist (locally or on a connected cluster): TF would otherwise place the
+    stage silently elsewhere (soft placement) and the plan would not be what runs."""
+    known = [d.name for d in tf.config.list_logical_devices()]
+    full = [_full(k) for k in known]
+    for devices in rank_devices:
+        for d in devices:
+            try:
+                spec = tf.DeviceSpec.from_string(d)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"device {d!r} is not a device name: {e}") from None
+            if spec.device_type is None or not any(_same_device(d, k) for k in full):
+                raise ValueError(f"device {d!r} does not exist; devices here: {known}")
+
+
+def _check_pairs(devices, schedule) -> None:
+    """BPipe moves packs between each evictor and its acceptor, so a pair belongs on one host
+    (pair-adjacent placement); refuse devices ordered so that more pairs cross hosts than the
+    pair-adjacent order of the same devices would leave crossing."""
+    from terra.pipeline import placement
+    pairs = sorted({(r, a.peer) for r in range(schedule.p) for row in schedule.transfers[r]
+                    for a in row if a.kind is EVICT})
+    split = placement.split_pairs(devices, pairs)
+    best = placement.split_pairs(placement.rank_devices(sorted(devices, key=placement.host), "bpipe"), pairs)
+    if len(split) > len(best):
+        raise ValueError(
+            f"BPipe pairs (evictor, acceptor) {split} run on different hosts, so every pack move "
+            f"crosses the network; the pair-adjacent order leaves {len(best)} of {len(pairs)} "
+            f"pairs split: pass devices=terra.pipeline.placement.rank_devices(devices listed host "
+            f"by host, 'bpipe') and build part r on devices[r]")
+
+
+def _variable_device(v) -> str:
+    return v.handle.device
+
+
+def _tie(parts) -> list:
+    """Variables used by several parts of one model copy (tied weights): one group per variable,
+    ``[(part, index), ...]`` with the owner (the user on whose device it lives) first. Sets each
+    part's ``owned``; raises where a variable lives on no device of a part that uses it."""
+    users = {}
+    for k, part in enumerate(parts):
+        for i, v in enumerate(part.variables):
+            users.setdefault(id(v), []).append((k, i))
+    groups = []
+    for uses in users.values():
+        v = parts[uses[0][0]].variables[uses[0][1]]
+        where = _variable_device(v)
+        homes = [(k, i) for k, i in uses if _same_device(_full(where), _full(parts[k].device))]
+        if not homes:
+            names = sorted({parts[k].device for k, _ in uses})
+            raise ValueError(f"variable {v.name!r} is on {where!r}, but the part(s) using it run on "
+                             f"{names}: create each part's variables under its device")
+        if len(uses) > 1:
+            owner = homes[0]
+            groups.append([owner] + [u for u in uses if u != owner])
+            for k, i in uses:
+                if (k, i) != owner:
+                    parts[k].owned.remove(i)
+    return groups
 
 
 def _compiled_apply(optimizer, variables):
@@ -112,13 +206,27 @@ class PipelineTrainer:
     part on ``devices[rank][j + 1]``). Each micro-batch is split into ``R`` shards, one per copy;
     per rank a ``tf.distribute.MirroredStrategy`` over its ``R`` devices with
     ``ReductionToOneDevice`` sums the copies' gradients, and every copy applies the same update.
+
+    Layers run with ``training=True`` in `step` and ``training=False`` in `evaluate` (every part
+    taking a ``training`` keyword: Keras layers and models, callables that declare it). A variable
+    used by several parts (tied weights) lives on the device of one of them, which owns its
+    update: its gradient is summed over the parts using it and applied once.
+    ``one_optimizer=True`` builds one optimizer over all variables (applied after the flush, so
+    ``global_clipnorm`` sees the whole model's gradient) instead of one per part; the last stage
+    seeds its backward with the optimizer's ``scale_loss``, so a ``LossScaleOptimizer`` works
+    there (one dynamic scale for every stage).
+
+    Rejected before anything runs, with the problem named: devices that do not exist, variables
+    not on the device of a part that uses them, options the schedule does not take, a schedule
+    that fails `terra.pipeline.validate`, and with BPipe devices on which more evictor/acceptor
+    pairs cross hosts than in the pair-adjacent order (`placement.rank_devices`).
     """
 
     def __init__(self, stages: Sequence, optimizer_factory: Callable, *, devices: Sequence[str],
                  schedule="1f1b", balance: Optional[str] = None, microbatches: int = 4,
                  loss_fn: Callable = lm_loss, replica_stages: Optional[Sequence] = None,
                  data_parallel_stages: Sequence = (), timeout: float = 120.0, overlap: bool = True,
-                 **schedule_options):
+                 one_optimizer: bool = False, **schedule_options):
         if not callable(optimizer_factory):
             raise TypeError(f"optimizer_factory must be callable, got {optimizer_factory!r}")
         self.rank_devices = [list(d) if isinstance(d, (list, tuple)) else [d] for d in devices]
@@ -128,6 +236,7 @@ class PipelineTrainer:
         if len(data_parallel_stages) != self.dp - 1:
             raise ValueError(f"{self.dp} data-parallel devices per rank need {self.dp - 1} more copies "
                              f"of the parts in data_parallel_stages, got {len(data_parallel_stages)}")
+        _check_devices(self.rank_devices)
         self.devices = [d[0] for d in self.rank_devices]
         p = len(self.devices)
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
@@ -139,6 +248,11 @@ class PipelineTrainer:
             self.schedule = schedule
             if balance is not None:
                 raise ValueError("pass balance only with a schedule name (the given schedule is used as is)")
+            if schedule_options:
+                raise ValueError(f"unknown option(s) {sorted(schedule_options)}: options apply to a "
+                                 f"schedule name, the given schedule is used as is")
+        validate(self.schedule)  # a schedule that would deadlock or miss work never starts
+        _check_pairs(self.devices, self.schedule)
         sch = self.schedule
         if sch.p != p or sch.m != microbatches:
             raise ValueError(f"schedule is for p={sch.p}, m={sch.m}; trainer has {p} devices and "
@@ -172,6 +286,13 @@ class PipelineTrainer:
                 row.append(_Part(src[g % d], self.rank_devices[sch.stage_ranks[g]][j], g % d == d - 1, loss_fn))
             self.replicas.append(row)
         self.parts = [row[0] for row in self.replicas]
+        copies_of = {}
+        for g, row in enumerate(self.replicas):
+            for j, part in enumerate(row):
+                copies_of.setdefault((g // d, j), []).append(part)
+        self._ties = {key: _tie(parts) for key, parts in copies_of.items()}[0, 0]
+        self.one_optimizer = bool(one_optimizer)
+        self.optimizer = None
         for g, row in enumerate(self.replicas):  # every copy starts from the primary's values
             for j, part in enumerate(row):
                 if g >= d or j > 0:
@@ -186,6 +307,7 @@ class PipelineTrainer:
         self.ledger = memory_lib.Ledger(p)
         self._transfer_pools = [ThreadPoolExecutor(1, thread_name_prefix=f"pipe-xfer{r}") for r in range(p)]
         self._built_for = None
+        self._eval_built_for = None
         self.last_step_seconds = None
         self.transfer_seconds = [0.0] * p
 
@@ -199,17 +321,34 @@ class PipelineTrainer:
             for part in row:
                 part.program = StageProgram(part.fn, part.variables, spec,
                                             y_spec if part.is_last else None, part.device)
-                if part.optimizer is None:
+                if part.optimizer is None and not self.one_optimizer:
+                    owned = [part.variables[i] for i in part.owned]
                     with tf.device(part.device):
                         part.optimizer = self.optimizer_factory()
-                        part.optimizer.build(part.variables)
-                    part.apply = _compiled_apply(part.optimizer, part.variables)
+                        part.optimizer.build(owned)
+                    part.apply = _compiled_apply(part.optimizer, owned) if owned else (lambda grads: None)
             spec = row[0].program.output_spec
+        if self.one_optimizer and self.optimizer is None:
+            owned = [part.variables[i] for part in self.parts[:sch.pipe_depth] for i in part.owned]
+            with tf.device(self.devices[0]):  # Keras colocates each slot with its variable
+                self.optimizer = self.optimizer_factory()
+                self.optimizer.build(owned)
+            self._apply_all = _compiled_apply(self.optimizer, owned)
+        # One loss scale seeds every stage's backward, so it must belong to one optimizer.
+        self._loss_scaler = self.optimizer if self.one_optimizer else self.parts[-1].optimizer
+        if not self.one_optimizer and any(isinstance(part.optimizer, keras.optimizers.LossScaleOptimizer)
+                                          for row in self.replicas for part in row):
+            raise ValueError("a LossScaleOptimizer needs one_optimizer=True: one dynamic scale "
+                             "seeds the backward of every stage")
         self._accumulate = tf.function(lambda acc, g: [a + b for a, b in zip(acc, g)], autograph=False)
         for r in range(sch.p):
             stages = [part for g in sch.stages_of(r) for part in self.replicas[g]]
-            vs = [v for part in stages for v in part.variables]
-            opt_vars = [v for part in stages for v in part.optimizer.variables]
+            vs = [part.variables[i] for part in stages for i in part.owned]
+            if self.one_optimizer:
+                opt_vars = [v for v in self.optimizer.variables
+                            if any(_same_device(_variable_device(v), dev) for dev in self.rank_devices[r])]
+            else:
+                opt_vars = [v for part in stages for v in part.optimizer.variables]
             self.ledger.set_static(r, weights=memory_lib.variable_bytes(vs),
                                    optimizer=memory_lib.variable_bytes(opt_vars),
                                    grads=memory_lib.variable_bytes(vs))
@@ -223,17 +362,24 @@ class PipelineTrainer:
         return [sum(part.program.plan.moved_bytes for part in row) for row in self.replicas]
 
     # -------------------------------------------------------------------------------- step
-    def step(self, x, y, apply: bool = True) -> float:
-        """One training step on batch (x, y): returns the mean loss over the batch. The summed
-        per-part gradients stay in ``last_gradients``; ``apply=False`` skips the update."""
-        x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
-        if x.shape[0] is None or x.shape[0] % (self.m * self.dp):
-            raise ValueError(f"batch size {x.shape[0]} must be a multiple of microbatches={self.m}"
+    def _start(self, x, y):
+        """Split the batch into micro-batches (and data-parallel shards), post them to the first
+        stages; returns the step's state and the micro-batch specs."""
+        x, y = tf.nest.map_structure(tf.convert_to_tensor, x), tf.convert_to_tensor(y)
+        n = self.m * self.dp
+        sizes = {t.shape[0] for t in tf.nest.flatten(x)} | {y.shape[0]}
+        if len(sizes) != 1:
+            raise ValueError(f"every input and the labels need the same batch size, got {sorted(sizes, key=str)}")
+        size = sizes.pop()
+        if size is None or size % n:
+            raise ValueError(f"batch size {size} must be a multiple of microbatches={self.m}"
                              + (f" x data-parallel copies={self.dp}" if self.dp > 1 else ""))
-        xs, ys = tf.split(x, self.m * self.dp), tf.split(y, self.m * self.dp)
-        specs = (tf.TensorSpec(xs[0].shape, xs[0].dtype), tf.TensorSpec(ys[0].shape, ys[0].dtype))
-        if self._built_for != specs:
-            self._build(*specs)
+        # x may be a nested structure (token ids and a mask): every leaf is split the same way.
+        leaves = [tf.split(t, n) for t in tf.nest.flatten(x)]
+        xs = [tf.nest.pack_sequence_as(x, [leaf[i] for leaf in leaves]) for i in range(n)]
+        ys = tf.split(y, n)
+        specs = (tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), xs[0]),
+                 tf.TensorSpec(ys[0].shape, ys[0].dtype))
         sch = self.schedule
         state = _StepState(self, transport.Mailbox(self.timeout))
         first = {a.microbatch: a.stage for r in range(sch.p) for a in sch.compute_order(r)
@@ -242,31 +388,96 @@ class PipelineTrainer:
             for j in range(self.dp):
                 state.mailbox.put(("x", first[i], i, j), xs[i * self.dp + j])
                 state.labels[i, j] = ys[i * self.dp + j]
-        start = time.perf_counter()
-        threads = [threading.Thread(target=state.run_rank, args=(r,), name=f"pipe-rank{r}", daemon=True)
-                   for r in range(sch.p)]
+        return state, specs
+
+    def _run_ranks(self, state, target) -> None:
+        threads = [threading.Thread(target=state.guard, args=(r, target), name=f"pipe-rank{r}", daemon=True)
+                   for r in range(self.schedule.p)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         if state.errors:
             raise state.errors[0]
+
+    def _mean_loss(self, state) -> float:
+        # Fetching the loss waits for (possibly asynchronous, remote) execution to finish.
+        return float(tf.add_n([tf.identity(l) for l in state.losses.values()]) / (self.m * self.dp))
+
+    def evaluate(self, x, y) -> float:
+        """Forward-only step with ``training=False``: the mean loss over the batch. Each rank runs
+        the schedule's forwards in its order; no backward, no pack kept, nothing updated (BatchNorm
+        statistics, Dropout's seed state and the weights stay as they are)."""
+        state, specs = self._start(x, y)
+        if self._eval_built_for != specs:
+            self._build_eval(*specs)
+        self._run_ranks(state, _StepState.run_forwards)
+        return self._mean_loss(state)
+
+    def _build_eval(self, x_spec, y_spec):
+        spec = x_spec
+        for g, row in enumerate(self.replicas):
+            if g % self.schedule.pipe_depth == 0:
+                spec = x_spec
+            for part in row:
+                args = [spec] + ([y_spec] if part.is_last else [])
+                with tf.device(part.device):
+                    part.evaluator = tf.function(part.eval_fn, autograph=False).get_concrete_function(*args)
+            spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype),
+                                         row[0].evaluator.structured_outputs)
+        self._eval_built_for = (x_spec, y_spec)
+
+    def step(self, x, y, apply: bool = True) -> float:
+        """One training step on batch (x, y): returns the mean loss over the batch. The summed
+        per-part gradients stay in ``last_gradients`` (multiplied by the loss scale when the
+        optimizer scales the loss: what its ``apply_gradients`` takes); ``apply=False`` skips
+        the update."""
+        state, specs = self._start(x, y)
+        if self._built_for != specs:
+            self._build(*specs)
+        sch = self.schedule
+        state.seed = float(self._loss_scaler.scale_loss(state.seed))
+        start = time.perf_counter()
+        self._run_ranks(state, _StepState.run_rank)
         leftovers = state.mailbox.pending()
         if leftovers or state.packs or state.evicted or state.residuals:
             raise RuntimeError(f"schedule left work undone: mail {leftovers}, packs "
                                f"{sorted(state.packs)}, evicted {sorted(state.evicted)}, "
                                f"weight gradients pending {sorted(state.residuals)}")
-        self.last_gradients = self._reduce(state)
+        self.last_gradients = self._sum_tied(self._reduce(state))
         if apply:
-            for g, row in enumerate(self.replicas):
-                for part in row:
-                    with tf.device(part.device):
-                        part.apply(self.last_gradients[g % sch.pipe_depth])
-        # Fetching the loss waits for (possibly asynchronous, remote) execution to finish.
-        loss = float(tf.add_n([tf.identity(l) for l in state.losses.values()]) / (self.m * self.dp))
+            self._apply(self.last_gradients)
+        loss = self._mean_loss(state)
         self.last_step_seconds = time.perf_counter() - start
         self.transfer_seconds = state.transfer_seconds
         return loss
+
+    def _sum_tied(self, grads) -> list:
+        """A tied variable's gradient is the sum over the parts using it (every occurrence in
+        ``grads`` gets the sum; only its owner applies it)."""
+        for group in self._ties:
+            k0, _ = group[0]
+            with tf.device(self.parts[k0].device):
+                total = tf.add_n([grads[k][i] for k, i in group])
+            for k, i in group:
+                grads[k][i] = total
+        return grads
+
+    def _apply(self, grads) -> None:
+        d = self.schedule.pipe_depth
+        if not self.one_optimizer:
+            for g, row in enumerate(self.replicas):
+                for part in row:
+                    with tf.device(part.device):
+                        part.apply([grads[g % d][i] for i in part.owned])
+            return
+        with tf.device(self.devices[0]):
+            self._apply_all([grads[k][i] for k, part in enumerate(self.parts[:d]) for i in part.owned])
+        for g, row in enumerate(self.replicas):  # other copies (Chimera, data parallel) follow
+            for part in row:
+                if part is not self.parts[g % d]:
+                    for i in part.owned:
+                        part.variables[i].assign(self.parts[g % d].variables[i])
 
     def _reduce(self, state) -> list:
         """Per model part: the gradient summed over micro-batches, pipeline replicas (Chimera)
@@ -327,34 +538,46 @@ class _StepState:
         self.errors = []
         self.lock = threading.Lock()
         self.transfer_seconds = [0.0] * trainer.schedule.p
+        self.seed = 1.0 / (trainer.m * trainer.dp)  # the last stage's output gradient
 
-    def run_rank(self, rank: int):
-        sch = self.t.schedule
-        pack_bytes = self.t.pack_bytes
+    def guard(self, rank: int, body):
+        """Run ``body(self, rank)``; a failure is kept for the caller and aborts every rank."""
         try:
-            for step in range(sch.steps):
-                action = sch.compute[rank][step]
-                transfers = sch.transfers[rank][step]
-                start, end = memory_lib.step_deltas(rank, action, transfers, sch.stage_ranks,
-                                                    pack_bytes, self.split)
-                self.t.ledger.apply(start)
-                before = [a for a in transfers if a.kind is not EVICT or (a.stage, a.microbatch) in self.packs]
-                after = [a for a in transfers if a not in before]
-                futures = [self._submit(rank, a) for a in before]
-                if not self.t.overlap:
-                    for fut in futures:
-                        fut.result()
-                if action is not None:
-                    HANDLERS[action.kind](self, rank, action)
-                futures += [self._submit(rank, a) for a in after]
-                for fut in futures:
-                    fut.result()
-                self.t.ledger.apply(end)
+            body(self, rank)
         except BaseException as e:  # noqa: BLE001 - re-raised by step()
             with self.lock:
                 self.errors.append(e if not isinstance(e, transport.PipelineAborted) or not self.errors
                                    else self.errors[0])
             self.mailbox.abort(f"rank {rank} failed: {e!r}")
+
+    def run_rank(self, rank: int):
+        """A training step: every step of the rank's row, transfers included."""
+        sch = self.t.schedule
+        pack_bytes = self.t.pack_bytes
+        for step in range(sch.steps):
+            action = sch.compute[rank][step]
+            transfers = sch.transfers[rank][step]
+            start, end = memory_lib.step_deltas(rank, action, transfers, sch.stage_ranks,
+                                                pack_bytes, self.split)
+            self.t.ledger.apply(start)
+            before = [a for a in transfers if a.kind is not EVICT or (a.stage, a.microbatch) in self.packs]
+            after = [a for a in transfers if a not in before]
+            futures = [self._submit(rank, a) for a in before]
+            if not self.t.overlap:
+                for fut in futures:
+                    fut.result()
+            if action is not None:
+                HANDLERS[action.kind](self, rank, action)
+            futures += [self._submit(rank, a) for a in after]
+            for fut in futures:
+                fut.result()
+            self.t.ledger.apply(end)
+
+    def run_forwards(self, rank: int):
+        """A forward-only step: the rank's forwards in the schedule's order, nothing else."""
+        for action in self.t.schedule.compute_order(rank):
+            if action.kind is F:
+                EVAL_HANDLERS[F](self, rank, action)
 
     def _submit(self, rank, action):
         def timed():
@@ -393,7 +616,7 @@ class _StepState:
         for j, (part, pack) in enumerate(zip(self.t.replicas[a.stage], packs)):
             if part.is_last:
                 with tf.device(part.device):
-                    grad = tf.constant(1.0 / (self.t.m * self.t.dp), part.program.output_spec.dtype)
+                    grad = tf.constant(self.seed, part.program.output_spec.dtype)
             else:
                 grad = self.mailbox.get(("g", a.stage, a.microbatch, j))
             if not pack.resident:
@@ -444,6 +667,16 @@ class _StepState:
         for part, pack, bases in zip(self.t.replicas[a.stage], packs, moved):
             pack.restore(part.program.plan, transport.move(bases, part.device))
 
+    def forward_eval(self, rank, a):
+        """F of a forward-only step: the part's ``training=False`` function, no pack."""
+        for j, part in enumerate(self.t.replicas[a.stage]):
+            x = self.mailbox.get(("x", a.stage, a.microbatch, j))
+            with tf.device(part.device):
+                if part.is_last:
+                    self.losses[a.microbatch, j] = part.evaluator(x, self.labels[a.microbatch, j])
+                else:
+                    self.mailbox.put(("x", a.stage + 1, a.microbatch, j), part.evaluator(x))
+
     def noop(self, rank, a):
         """SEND/RECV: the mailbox moves stage outputs and gradients when they are consumed."""
 
@@ -452,3 +685,5 @@ class _StepState:
 HANDLERS = {F: _StepState.forward, B: _StepState.backward, W: _StepState.weight,
             EVICT: _StepState.evict, LOAD: _StepState.load, SEND: _StepState.noop,
             RECV: _StepState.noop}
+#: Forward-only steps (`PipelineTrainer.evaluate`).
+EVAL_HANDLERS = {F: _StepState.forward_eval}

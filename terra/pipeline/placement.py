@@ -17,6 +17,7 @@ Sizes must tile the nodes: ``data * pipeline * tensor`` a multiple of ``gpus_per
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -122,3 +123,30 @@ def pair_adjacent(data: int = 1, pipeline: int = 1, tensor: int = 1,
                   gpus_per_node: int = 8) -> Placement:
     return _build("pair_adjacent", data, pipeline, tensor, gpus_per_node,
                   lambda s: pair_slot(s, pipeline))
+
+
+# ------------------------------------------------------------------- devices of one pipeline
+def host(device: str) -> tuple:
+    """(job, replica, task) of a TF device name: the process, hence the host, it lives in (a name
+    without them is the local process's)."""
+    fields = dict(re.findall(r"/(job|replica|task):([^/]+)", device or ""))
+    return (fields.get("job", "localhost"), fields.get("replica", "0"), fields.get("task", "0"))
+
+
+def rank_devices(devices, balance=None) -> list:
+    """Rank r's device, from ``devices`` listed host by host: with BPipe the pair-adjacent order
+    (rank ``s`` on slot `pair_slot` ``(s, p)``), so each evictor/acceptor pair ``(s, p-1-s)`` gets
+    adjacent devices, on one host whenever a host holds an even number of them; the given order
+    otherwise. Build part ``r`` on ``rank_devices(...)[r]`` and pass the same list as the
+    trainer's ``devices``."""
+    devices = list(devices)
+    if balance is None:
+        return devices
+    if balance != "bpipe":
+        raise ValueError(f"balance must be None or 'bpipe', got {balance!r}")
+    return [devices[pair_slot(r, len(devices))] for r in range(len(devices))]
+
+
+def split_pairs(devices, pairs) -> list:
+    """The (evictor, acceptor) rank pairs whose devices are on different hosts."""
+    return [(e, a) for e, a in pairs if host(devices[e]) != host(devices[a])]

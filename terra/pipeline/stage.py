@@ -130,32 +130,43 @@ def _dense(g):
     return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
 
+def _spec(t):
+    return tf.TensorSpec(t.shape, t.dtype)
+
+
 class StageProgram:
     """One model part compiled for one device and one micro-batch shape.
 
     ``fn(x)`` (or ``fn(x, labels)`` for the last stage, returning a scalar loss) is traced once;
     its forward/backward pair is built from that trace. ``variables`` are the trainable variables
-    the gradients are returned for, in order.
+    the gradients are returned for, in order. ``x`` and a middle stage's output may be any nested
+    structure of tensors (a residual stream plus a mask): whatever crosses a cut is sent whole;
+    gradients come back in the same structure, None for leaves that take none (integer masks).
     """
 
-    def __init__(self, fn: Callable, variables: Sequence, input_spec: tf.TensorSpec,
+    def __init__(self, fn: Callable, variables: Sequence, input_spec,
                  label_spec: Optional[tf.TensorSpec] = None, device: Optional[str] = None):
         self.device = device
         self.variables = list(variables)
         self.is_last = label_spec is not None
+        self.input_spec = input_spec
         specs = [input_spec] + ([label_spec] if label_spec is not None else [])
         with tf.device(device):
             concrete = tf.function(fn, autograph=False).get_concrete_function(*specs)
         pair = _tf_private.forward_backward_pair(concrete)
         self._pair = pair
         self._captures = list(concrete.captured_inputs)
-        self._num_args = len(specs)
+        self._num_inputs = len(tf.nest.flatten(input_spec))
+        self._num_args = self._num_inputs + (1 if self.is_last else 0)
         out = pair.forward_graph.outputs
-        if pair.num_outputs != 1:
-            raise ValueError(f"a stage must return exactly one tensor, got {pair.num_outputs}")
-        self.output_spec = tf.TensorSpec(out[0].shape, out[0].dtype)
-        if self.is_last and out[0].shape.rank != 0:
-            raise ValueError(f"the last stage must return a scalar loss, got shape {out[0].shape}")
+        self._out_structure = concrete.structured_outputs
+        if len(tf.nest.flatten(self._out_structure, expand_composites=True)) != pair.num_outputs:
+            raise ValueError(f"a stage must return a tensor or a nested structure of tensors, got "
+                             f"{self._out_structure!r}")
+        self.output_spec = tf.nest.pack_sequence_as(self._out_structure,
+                                                    [_spec(t) for t in out[:pair.num_outputs]])
+        if self.is_last and (pair.num_outputs != 1 or out[0].shape.rank != 0):
+            raise ValueError(f"the last stage must return a scalar loss, got {self.output_spec}")
         # Pack slots: the backward captures that come from the forward (side outputs).
         self.pack_sources = tuple(k for kind, k in pair.capture_sources if kind == "side")
         self.plan = plan_pack([out[k] for k in self.pack_sources])
@@ -168,16 +179,25 @@ class StageProgram:
             if pos is None:
                 raise ValueError(f"stage variable {v.name} is not used by the stage function")
             self._var_grad.append(pos)
-        self.output_grad_needed = pair.num_output_grads == 1
+        self.output_grad_needed = pair.num_output_grads > 0
+        self._grad_specs = [_spec(out[i]) for i in pair.grad_outputs]
         self._split = None
 
     # --------------------------------------------------------------------------------- calls
     def forward(self, x, labels=None):
         """Run the forward on the stage device; returns (output, Pack)."""
-        args = [tf.convert_to_tensor(x)] + ([tf.convert_to_tensor(labels)] if self.is_last else []) + self._captures
+        args = ([tf.convert_to_tensor(t) for t in tf.nest.flatten(x)]
+                + ([tf.convert_to_tensor(labels)] if self.is_last else []) + self._captures)
         with tf.device(self.device):
             outs = self._pair.forward(*args)
-        return outs[0], Pack([outs[k] for k in self.pack_sources])
+        n = self._pair.num_outputs
+        output = outs[0] if self.is_last else tf.nest.pack_sequence_as(self._out_structure, list(outs[:n]))
+        return output, Pack([outs[k] for k in self.pack_sources])
+
+    def _input_grad(self, grads):
+        """The stage input's gradient in the input's structure (None where there is none)."""
+        flat = [_dense(g) for g in grads[:self._num_inputs]]
+        return tf.nest.pack_sequence_as(self.input_spec, flat)
 
     def backward(self, pack: Pack, output_grad):
         """Run the backward; returns (input gradient or None, [variable gradients])."""
@@ -185,7 +205,7 @@ class StageProgram:
         with tf.device(self.device):
             grads = self._pair.backward(grads_in, captures)
         var_grads = [_dense(grads[i]) for i in self._var_grad]
-        return _dense(grads[0]), var_grads
+        return self._input_grad(grads), var_grads
 
     # ------------------------------------------------------------ split backward (B, then W)
     @property
@@ -201,7 +221,17 @@ class StageProgram:
             raise RuntimeError("backward on an evicted pack: load it first")
         side = iter(pack.tensors)
         captures = [next(side) if kind == "side" else src for kind, src in self._pair.capture_sources]
-        return ([output_grad] if self.output_grad_needed else []), captures
+        if output_grad is None or not self.output_grad_needed:
+            return [], captures
+        flat = tf.nest.flatten(output_grad)
+        grads = []
+        for i, spec in zip(self._pair.grad_outputs, self._grad_specs):
+            g = _dense(flat[i])
+            if g is None:  # an output the next stage did not use
+                with tf.device(self.device):
+                    g = tf.zeros(spec.shape, spec.dtype)
+            grads.append(g)
+        return grads, captures
 
     def backward_input(self, pack: Pack, output_grad):
         """B: the input gradient (or None) and the residual that `backward_weight` needs (the
@@ -210,7 +240,7 @@ class StageProgram:
         grads_in, captures = self._backward_args(pack, output_grad)
         with tf.device(self.device):
             grads, saved = self.split.input_grads(grads_in, captures)
-        return _dense(grads[0]), (grads_in, saved)
+        return self._input_grad(grads), (grads_in, saved)
 
     def backward_weight(self, pack: Pack, residual):
         """W: the variable gradients, from B's residual and the pack (no forward, no input-gradient
@@ -237,13 +267,30 @@ def partition(layers: Sequence, num_stages: int) -> list[list]:
     return [list(layers[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def sequential(parts: Sequence) -> Callable:
-    """Compose layers/callables left to right."""
+def takes_training(part) -> bool:
+    """Whether ``part`` takes a ``training`` keyword: every Keras layer (and model) does, and so
+    does any callable that declares it."""
+    import inspect
+
+    import keras
+    if isinstance(part, keras.layers.Layer):
+        return True
+    try:
+        params = inspect.signature(part).parameters
+    except (TypeError, ValueError):
+        return False
+    return "training" in params
+
+
+def sequential(parts: Sequence, training: Optional[bool] = None) -> Callable:
+    """Compose layers/callables left to right; ``training`` (when not None) is passed to every
+    part that takes it, so Dropout and BatchNorm run in the mode of the step."""
     parts = list(parts)
+    calls = [(part, training is not None and takes_training(part)) for part in parts]
 
     def call(x):
-        for part in parts:
-            x = part(x)
+        for part, flag in calls:
+            x = part(x, training=training) if flag else part(x)
         return x
     return call
 

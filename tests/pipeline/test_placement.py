@@ -86,3 +86,25 @@ def test_unknown_rank_and_text():
         "pair_adjacent: data=1 pipeline=4 tensor=1 gpus_per_node=4",
         "node 0: DP0/PP0/TP0 DP0/PP3/TP0 DP0/PP1/TP0 DP0/PP2/TP0"]
     assert repr(place) == "Placement(pair_adjacent, d=1, p=4, t=1, gpus_per_node=4)"
+
+
+def test_rank_devices_puts_bpipe_pairs_on_one_host_and_the_trainer_refuses_split_pairs():
+    from terra.pipeline import placement
+    from terra.pipeline.executor import _check_pairs, make_schedule
+    hosts = [f"/job:worker/replica:0/task:{t}/device:GPU:{g}" for t in range(2) for g in range(2)]
+    ranks = placement.rank_devices(hosts, "bpipe")
+    assert ranks == [hosts[0], hosts[2], hosts[3], hosts[1]]
+    assert placement.split_pairs(ranks, [(0, 3), (1, 2)]) == []
+    assert placement.split_pairs(hosts, [(0, 3), (1, 2)]) == [(0, 3), (1, 2)]
+    assert placement.rank_devices(hosts) == hosts
+    assert placement.host("/device:CPU:1") == placement.host("/job:localhost/replica:0/task:0/device:CPU:0")
+    bpipe = make_schedule("1f1b", 4, 8, "bpipe")
+    with pytest.raises(ValueError, match=r"BPipe pairs \(evictor, acceptor\) \[\(0, 3\)\] run on "
+                                         r"different hosts.*leaves 0 of 1 pairs split"):  # 1F1B on 4: one pair moves
+        _check_pairs(hosts, bpipe)
+    _check_pairs(ranks, bpipe)
+    _check_pairs(hosts, make_schedule("1f1b", 4, 8))             # no BPipe: nothing moves
+    one_each = [f"/job:worker/replica:0/task:{t}/device:CPU:0" for t in range(4)]
+    _check_pairs(one_each, bpipe)                                  # no order does better
+    with pytest.raises(ValueError, match="balance must be None or 'bpipe'"):
+        placement.rank_devices(hosts, "even")

@@ -132,3 +132,32 @@ def test_partition_and_errors():
         st.StageProgram(lambda h, l: h, [], tf.TensorSpec((2,)), tf.TensorSpec((2,)))
     with pytest.raises(ValueError, match="d_model"):
         st.tiny_gpt(2, d_model=30, heads=4)
+
+
+def test_a_stage_takes_and_returns_a_nested_structure():
+    """A residual stream and an integer mask cross a cut together: the output keeps its
+    structure, the backward takes the stream's gradient only (None for the mask) and returns the
+    input gradient in the input's structure."""
+    w = tf.Variable(tf.reshape(tf.range(16, dtype=tf.float32), (4, 4)) / 16.0)
+
+    def f(inputs):
+        h, mask = inputs["h"], inputs["mask"]
+        return {"h": h + tf.tanh(tf.matmul(h, w)) * tf.cast(mask, tf.float32)[:, None], "mask": mask + 1}
+
+    spec = {"h": tf.TensorSpec((3, 4)), "mask": tf.TensorSpec((3,), tf.int32)}
+    prog = st.StageProgram(f, [w], spec)
+    assert prog.output_spec == spec
+    x = {"h": tf.random.normal((3, 4), seed=1), "mask": tf.constant([1, 0, 1])}
+    out, pack = prog.forward(x)
+    g = {"h": tf.ones((3, 4)), "mask": None}
+    gx, (gw,) = prog.backward(pack, g)
+    gx_split, residual = prog.backward_input(pack, g)
+    (gw_split,) = prog.backward_weight(pack, residual)
+    with tf.GradientTape() as tape:
+        tape.watch(x["h"])
+        ref = f(x)
+    r_h, r_w = tape.gradient(ref["h"], [x["h"], w])
+    np.testing.assert_array_equal(out["mask"].numpy(), [2, 1, 2])
+    np.testing.assert_allclose(out["h"].numpy(), ref["h"].numpy(), atol=1e-6)
+    assert gx["mask"] is None and gx_split["mask"] is None
+    assert max_err([gx["h"], gw, gx_split["h"], gw_split], [r_h, r_w, r_h, r_w]) < 1e-6
