@@ -491,6 +491,12 @@ class Recorder(hook.Interceptor):
                 return entry[1]
             if v.dtype.name == "resource":
                 return self._variable(v)
+            fed = self._feeds.get(id(v))
+            if fed is not None and fed[0] is v:
+                # already a feed (a recorder seeded from a skipped prefix: a Python value the
+                # path feeds, converted while skipping): every later use is that feed too, the
+                # gradient's included, never a constant of this step's value
+                return fed[1]
             born = self._born.get(id(v))
             if born is not None and born[0] is v and is_python_value(born[1]):
                 if v.shape.num_elements() <= self.const_limit and v.dtype.name != "string" or \

@@ -17,17 +17,8 @@ from tests.fuzz.generator import FEATURES, choose, generate
 # (docs/testing.md, "Fuzzer"). A seed whose program would hold every feature of an entry gets the
 # entry's first feature switched off; all other choices of the seed stay as they are. Remove an
 # entry once its bug is fixed: the seeds that had it then run it again.
-_STALE_FLOAT = (
-    "stale Python float in the gradient of a path traced in a fallback: a Python float in the "
-    "loss that changes every step (already a feed of the site's generalized path) is fed to the "
-    "forward ops of a path first traced in a fallback iteration, but that path's graph computes "
-    "the gradient with the float's value from the traced iteration; losses equal eager, the "
-    "update after them does not (found by seeds 1 and 84 while the generator drew 3-7 steps; "
-    "minimized in test_fuzz.py::test_known_gap_stale_python_float_in_the_gradient)")
-KNOWN_GAPS: dict[tuple[str, ...], str] = {
-    ("state_scale", "var_counter"): _STALE_FLOAT,
-    ("numpy_scalar", "value_shape"): _STALE_FLOAT,
-}
+KNOWN_GAPS: dict[tuple[str, ...], str] = {}
+
 
 for _combo in KNOWN_GAPS:
     assert set(_combo) <= set(FEATURES), _combo
