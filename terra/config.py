@@ -22,7 +22,8 @@ class Config:
       a site also stays eager after 2 x max_traces graph builds (its paths keep changing).
     max_fallbacks: fallbacks per site before it stays eager. A fallback onto a path the site has
       seen before, after 8 or more iterations without one (an epoch's end: a new data iterator),
-      is a known cost and does not count.
+      is a known cost and does not count; nor is one onto new variables whose path then runs
+      an earlier path's graph (a metric made every epoch), after 4 or more.
     xla: compile the compute between feed/fetch points of generated graphs with XLA (TF's
       explicit clustering; channel, random and XLA-less ops stay on TF's executor; results
       equal eager within XLA's rounding; on CPU not faster, measured in docs/usage.md).

@@ -46,8 +46,9 @@ from terra.runtime.path_view import PathView
 from terra.runtime.python_runner import PythonRunner
 from terra.runtime.executable import PathRun
 from terra.runtime.site_graph import SiteGraph, SiteRun
-from terra.runtime.sites import (KNOWN_FALLBACK_GAP, Path, Site, generalize, path_signature,
-                                 read_changed_spans, reads_feed_values, uncompilable, units_for,
+from terra.runtime.sites import (KNOWN_FALLBACK_GAP, KNOWN_REUSE_GAP, Path, Site, generalize,
+                                 path_signature, read_changed_spans, reads_feed_values,
+                                 uncompilable, units_for,
                                  variable_renaming)
 from terra.tracing import hook
 from terra.tracing.locations import caller_step_try
@@ -382,6 +383,9 @@ class Session:
         compiled_before = any(p.graph is not None for p in site.paths.values())
         if why is None and (path.count >= 2 or compiled_before) and path.stale:
             self._build(site, path, it.number)
+            if new and path.rebound is not None and it.fallback_gap is not None and \
+                    it.fallback_gap >= KNOWN_REUSE_GAP:
+                site.known_fallbacks += 1  # a bounded cost per occurrence: see KNOWN_REUSE_GAP
         elif path.view is None and path.graph is not None:
             path.view = PathView(path.trace, path.usable_units(), site.key, site.caller_step_try)
         for other in list(site.paths.values()):

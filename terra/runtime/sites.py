@@ -306,6 +306,10 @@ class Site:
 # A fallback onto a path already filed, after at least this many iterations without one, does
 # not count towards `max_fallbacks` (a fit's or a loop's epoch end: new data iterator, new path).
 KNOWN_FALLBACK_GAP = 8
+# A fallback onto new variable objects whose path then runs a compiled path's graph (a metric
+# made every epoch) costs one traced step and no build: after at least this many iterations
+# without a fallback it does not count either (an 8-batch epoch has 7 between its fallbacks).
+KNOWN_REUSE_GAP = 4
 
 
 def units_for(trace, units) -> dict:

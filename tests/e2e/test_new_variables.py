@@ -147,3 +147,21 @@ def test_a_new_data_iterator_and_metric_every_epoch_reuse_the_graph():
     # epoch 1: a path built; epoch 2: a path of new fetches built; epochs 3 and 4 run epoch 2's
     # graph (their iterators differ too, but no graph op takes an iterator)
     c.assert_counts(traces=6, graph_builds=2, graph_reuses=2, fallbacks=3, path_switches=0)
+
+
+def test_epochs_of_new_metrics_do_not_exhaust_max_fallbacks():
+    """Each epoch's first step falls back (new variables) and its path runs the graph of an
+    earlier one: a bounded cost per epoch, not held against max_fallbacks (KNOWN_REUSE_GAP), so
+    the site stays compiled however many epochs run."""
+    old = terra.config(max_fallbacks=2)
+    try:
+        eager = _epochs(tf.GradientTape, epochs=7, steps=6)
+        with CompileCounter() as c:
+            got = _epochs(tf.TerraGradientTape, epochs=7, steps=6)
+    finally:
+        terra.config(**old)
+    assert got[0] == eager[0]
+    for a, b in zip(eager[1], got[1]):
+        np.testing.assert_array_equal(b, a)
+    assert "site stays eager" not in terra.explain(), terra.explain()
+    c.assert_counts(traces=9, graph_builds=2, graph_reuses=5, fallbacks=6, path_switches=0)
