@@ -587,8 +587,8 @@ class TapeRecordedFunction:
 
 def function_op_types(atomic) -> frozenset:
     """Op types in AtomicFunction `atomic`'s body and every function it calls (control-flow
-    branches and nested tf.functions are its `children`), to see stateful random or
-    data-dependent-shape ops a function record hides."""
+    branches and nested tf.functions are its `children`), to see the stateful random ops a
+    function record hides."""
     types, todo, seen = set(), [atomic], set()
     while todo:
         fn = todo.pop()
@@ -598,11 +598,6 @@ def function_op_types(atomic) -> frozenset:
         types.update(n.op for n in fn.cached_definition.node_def)
         todo.extend(fn.children)
     return frozenset(types)
-
-
-def function_outputs_static(atomic) -> bool:
-    """Whether every output of AtomicFunction `atomic` has a fully defined static shape."""
-    return all(t.shape.is_fully_defined() for t in atomic.graph.outputs)
 
 # ---- XLA: what TF's executor ran (terra/compiler/xla.py; tests/test_tf_private_xla.py) ----------
 # A cluster of ops marked with `tf.xla.experimental.jit_scope` runs as one `_XlaRun` op; the ops it

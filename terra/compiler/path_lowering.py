@@ -11,6 +11,11 @@ function's outputs. `xla`: the compute between fetch points runs in XLA scopes (
 `shapes` holds, for every recorded output, the shape TF's shape inference gives it in that graph:
 what holds for every value of the feeds (a `Range` whose limit is computed has an unknown
 length). Fetch channels take those shapes, not the recorded ones.
+
+`gates` (`{start: end}`) holds the record spans of coarse units that may run only once Python
+has checked them: their ops wait for a token on the span's gate channel (`gate_channels`),
+which Python puts when the unit's guard holds (a gradient whose ops were built from a shape the
+graph cannot know before it runs would otherwise run, and may fail, with another shape).
 """
 from __future__ import annotations
 
@@ -28,8 +33,12 @@ class LoweredPath:
     """One trace as one graph (see the module docstring). `fetch_points`: ref -> number of
     records after which Python reads it; `liveouts`: refs returned, in this order."""
 
-    def __init__(self, trace, fetch_points: dict, liveouts, xla_scopes: bool = False):
+    def __init__(self, trace, fetch_points: dict, liveouts, xla_scopes: bool = False,
+                 gates=None):
         self.trace = trace
+        self.gates = dict(gates or {})
+        self.gate_channels = {start: FeedChannel("bool", (), name=f"terra_gate{start}")
+                              for start in self.gates}
         self.feed_channels = [FeedChannel(f.spec.dtype, f.spec.shape, name=f"terra_feed{f.slot}")
                               for f in trace.feeds]
         self.fetch_at: dict = {}
@@ -90,10 +99,18 @@ class _ChannelBuilder(replay.Builder):
                 self.order.fetch(self.lowered.fetch_channel(ref, value), value)
 
     def run(self):
+        gate, gate_end = [], -1
         with self.spans:
             for rec in self.trace.records:
                 self._emit_fetches(rec.index)
-                with self.spans.compute(), tf.name_scope(op_node_name(rec.index)):
+                end = self.lowered.gates.get(rec.index)
+                if end is not None:
+                    with self.spans.channel():
+                        gate = [self.order.feed(self.lowered.gate_channels[rec.index])]
+                        gate_end = end
+                control = gate if rec.index < gate_end else []
+                with self.spans.compute(), tf.name_scope(op_node_name(rec.index)), \
+                        tf.control_dependencies(control):
                     outs = self.function(rec) if rec.route == "function" else self.op(rec)
                 for j, t in enumerate(outs or ()):
                     self.env[(rec.index, j)] = t

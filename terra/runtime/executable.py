@@ -50,6 +50,11 @@ class Executable:
         """Whether Python has put anything for this run (a lazy run to drain when abandoned)."""
         raise NotImplementedError
 
+    def open_gate(self, start: int) -> bool:
+        """Let the run take the coarse unit at record `start`, whose guard Python has checked
+        (`LoweredPath.gates`); False if the graph has no gate there."""
+        return False
+
     def starts_early(self) -> bool:
         """Whether the run starts with the iteration (else at the first feed put)."""
         raise NotImplementedError
@@ -61,6 +66,10 @@ class Executable:
         """The shape of `ref` that holds for every value of the feeds (TF's inference in the
         graph), which a placeholder may claim without a fetch; None: the recorded shape."""
         return None
+
+    def unknown_shapes(self) -> frozenset:
+        """Refs whose `static_shape` is not fully defined."""
+        return frozenset()
 
     def fetch(self, fetch, ref, timeout):
         """This iteration's value of `ref`; `fetch(channel, timeout)` takes one element."""
@@ -136,7 +145,14 @@ class PathRun(Executable):
         return True
 
     def queued(self, runner) -> bool:
-        return bool(runner.fed)
+        return bool(runner.fed) or any(s in self.graph.gate_channels for s in runner.passed)
+
+    def open_gate(self, start: int) -> bool:
+        ch = self.graph.gate_channels.get(start)
+        if ch is None:
+            return False
+        ch.put(True)
+        return True
 
     def starts_early(self) -> bool:
         # else at the first feed: a feed of another signature (the next batch has another
@@ -148,6 +164,9 @@ class PathRun(Executable):
 
     def static_shape(self, ref):
         return self.graph.shapes.get(ref)
+
+    def unknown_shapes(self) -> frozenset:
+        return self.graph.unknown_shapes
 
     def fetch(self, fetch, ref, timeout):
         ch = self.graph.fetch_channels[ref]
@@ -174,6 +193,8 @@ class PathRun(Executable):
     def replay_puts(self, runner, pos, put_feed) -> None:
         for slot in runner.fed_order:
             put_feed(slot, runner.fed[slot])
+        for start in runner.passed:  # units Python checked before the switch
+            self.open_gate(start)
 
     def leave_unread(self, fetched) -> None:
         self.graph.leave_unread(fetched)

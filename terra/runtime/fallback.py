@@ -16,12 +16,15 @@ co-execution gains most; see benchmarks/results/coexec.md for the measured snaps
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import tensorflow as tf
 
 from terra import _tf_private as tfp
 from terra.ir.op_kinds import HOST_OPS
-from terra.ir.records import ConstRef, Feed, FeedRef, Fetch, OutputRef, Trace, VariableRef
+from terra.ir.records import (ConstRef, Feed, FeedRef, Fetch, OutputRef, TensorSpec, Trace,
+                               VariableRef)
 from terra.runtime.placeholders import Placeholder
 
 from terra.tracing.recorder import Recorder, frozen_value
@@ -247,6 +250,18 @@ class EagerReplay:
 
 
 # ------------------------------------------------------------------------------------ recorder
+def _as_replayed(rec, env):
+    """`rec` with the output shapes its replay gave: an op whose output shape depends on data
+    (`tf.where`) or on a value (`tf.range(n)`) may have had another shape when first traced."""
+    outs = rec.outputs
+    for j, spec in enumerate(outs):
+        v = env.get((rec.index, j))
+        shape = getattr(v, "shape", None)
+        if shape is not None and spec.shape is not None and tuple(shape) != spec.shape:
+            outs = outs[:j] + (TensorSpec(spec.dtype, tuple(shape)),) + outs[j + 1:]
+    return rec if outs is rec.outputs else dataclasses.replace(rec, outputs=outs)
+
+
 class ContinuingRecorder(Recorder):
     """A Recorder that understands placeholders (by their real value) and can start from a prefix
     of an earlier trace; it stops recording (marking the trace unsupported) past `max_ops`."""
@@ -265,7 +280,7 @@ class ContinuingRecorder(Recorder):
              units: dict, fetches=(), replay=None, born=None) -> None:
         """Start from `trace.records[:upto]` whose outputs are `env[(record, index)]`."""
         t = self.trace
-        t.records = list(trace.records[:upto])
+        t.records = [_as_replayed(r, env) for r in trace.records[:upto]]
         used = sorted(feed_values)
         if used != list(range(len(used))):
             raise ValueError(f"fallback: fed slots {used} are not a prefix of the feed table")

@@ -107,6 +107,12 @@ class Iteration(IterationEnd):
         if self.exe.put_feed(slot, value) and CONFIG.coexecution:
             self.start_graph()  # (a no-op once started) after the put: no blocked dequeue
 
+    def open_gate(self, start: int) -> None:
+        """The coarse unit at record `start` may run: Python has checked its guard."""
+        self.runner.passed.append(start)
+        if self.exe.open_gate(start) and CONFIG.coexecution:
+            self.start_graph()
+
     def run_failed(self) -> bool:
         r = self.run
         return r is not None and r.state == "error"
@@ -278,7 +284,7 @@ class Iteration(IterationEnd):
         switch (`case_switches`). `accepts(q)`: whether path `q` can take what Python does at
         `pos` (paths that cannot are not tried: each restart costs a variable restore)."""
         runner, cur, pos = self.runner, self.path, self.runner.pos
-        prefix = cur.signature[0][:pos]
+        prefix = cur.switch_signature()[:pos]
         fed_specs = [cur.trace.feeds[sl].spec for sl in sorted(runner.fed)]
         tried = set() if tried is None else tried
         tried.add(id(cur))
@@ -288,7 +294,7 @@ class Iteration(IterationEnd):
                 continue
             if at_end and q.view.n != pos or not at_end and q.view.n <= pos:
                 continue
-            if q.signature[0][:pos] != prefix:
+            if q.switch_signature()[:pos] != prefix:
                 continue
             if [q.trace.feeds[sl].spec for sl in sorted(runner.fed) if sl < len(q.trace.feeds)] \
                     != fed_specs:

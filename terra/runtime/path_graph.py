@@ -37,6 +37,27 @@ def skip_fetch_points(path) -> dict:
             not any(a <= after <= b for a, b in spans)}
 
 
+def _unit_shape_checks(path, lowered) -> dict:
+    """`{start: end}` of the path's coarse units whose Python may have read a shape the graph
+    does not know before it runs (`PathView.shapes_read_by`): skip mode checks those shapes
+    before it skips the unit (`PythonRunner._changed_shape`), so the unit's ops wait for that
+    check (a gate), and the path fetches every value the check reads (learning them one
+    fallback at a time would cost one fallback per value)."""
+    unknown = {r for r, s in lowered.shapes.items() if not s.is_fully_defined()}
+    if not unknown or path.view is None:
+        return {}
+    gates = {}
+    for u in path.view.units.values():
+        read = [r for r in path.view.shapes_read_by(u) if r in unknown]
+        if read:
+            gates[u.start] = u.end
+        for r in read:
+            if r not in path.fetch_points:
+                path.fetch_points[r] = r.record
+                path.outside_reads.add(r)
+    return gates
+
+
 class PathGraph:
     """One generated graph for one path: feed channels per feed slot, fetch channels per fetched
     output, and the path's live-out values as the function's outputs."""
@@ -46,9 +67,18 @@ class PathGraph:
     def __init__(self, path: "Path"):
         self.path = path
         lowered = LoweredPath(path.trace, skip_fetch_points(path), path.liveouts, CONFIG.xla)
+        gates = _unit_shape_checks(path, lowered)
+        if gates:
+            lowered = LoweredPath(path.trace, skip_fetch_points(path), path.liveouts, CONFIG.xla,
+                                  gates)
+        self.gate_channels = lowered.gate_channels
         self.feed_channels = lowered.feed_channels
         self.fetch_channels = lowered.fetch_channels
         self.shapes = lowered.shapes
+        # outputs whose shape the graph cannot know before it runs (a data-dependent op's, a
+        # shape computed from a value): a unit whose Python read them checks them (units)
+        self.unknown_shapes = frozenset(r for r, s in lowered.shapes.items()
+                                        if not s.is_fully_defined())
         self.fetch_at = lowered.fetch_at
         self.liveouts = lowered.liveouts
         self.concrete = lowered.concrete
@@ -82,7 +112,7 @@ class PathGraph:
         feeds were all consumed and only the fetches Python did not take are left. Only when no
         run of this graph is pending or running."""
         if fetched is None:
-            for ch in self.feed_channels:
+            for ch in (*self.feed_channels, *self.gate_channels.values()):
                 if ch.size():
                     ch.drain()
         for ref, ch in self.fetch_channels.items():

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from terra.ir.op_kinds import VALUE_SAFE_OPS
-from terra.ir.records import FRAME_LOOPS, FRAME_TRIES, FeedRef, Trace
+from terra.ir.records import FRAME_LOOPS, FRAME_TRIES, FeedRef, OutputRef, Trace
 from terra.tracing.locations import code_info
 
 
@@ -26,6 +26,8 @@ class GradUnit:
     # function's `constant_value` of a slice's bounds, an optimizer's branch on a finite check):
     # what the recorded ops were built from, so skip mode checks them before skipping the unit
     reads: tuple = ()
+    # a `tape.gradient`: its gradient functions read the shapes of every forward op they visit
+    backprop: bool = False
 
 
 def barrier_records(trace: Trace, root) -> frozenset:
@@ -99,11 +101,48 @@ class PathView:
         self.attr_cache: dict = {}
         self.single_output: dict = {}
         self.feed_specs = [f.spec for f in trace.feeds]
+        self.shape_deps: dict = {}  # unit start -> values whose shapes the unit may read
         self.feed_first_use = {}
         for rec in trace.records:
             for r in self.flat_inputs[rec.index]:
                 if isinstance(r, FeedRef):
                     self.feed_first_use.setdefault(r.slot, rec.index)
+
+    def shapes_read_by(self, unit) -> tuple:
+        """Outputs of records before `unit` whose shapes its Python may have built its ops
+        from: its arguments and the values its ops consume; for a `tape.gradient`, every output
+        of every record its target depends on (a gradient function reads the shapes of its
+        forward op's inputs and outputs, consumed or not: `_SumGrad` tiles by its input's
+        shape). Values the target does not depend on (a `tf.unique` of labels for a metric)
+        are not among them."""
+        refs = self.shape_deps.get(unit.start)
+        if refs is not None:
+            return refs
+        roots = [r for r in _flat_refs(unit.guard) if r.record < unit.start]
+        for i in range(unit.start, unit.end):
+            roots.extend(r for r in self.flat_inputs[i]
+                         if isinstance(r, OutputRef) and r.record < unit.start)
+        out = dict.fromkeys(roots)
+        if unit.backprop:
+            seen, stack = set(), [r.record for r in roots]
+            while stack:
+                i = stack.pop()
+                if i in seen:
+                    continue
+                seen.add(i)
+                stack.extend(r.record for r in self.flat_inputs[i] if isinstance(r, OutputRef))
+            out = {OutputRef(i, j): None for i in sorted(seen)
+                   for j in range(len(self.records[i].outputs))}
+        refs = self.shape_deps[unit.start] = tuple(out)
+        return refs
+
+
+def _flat_refs(guard):
+    for g in guard:
+        if isinstance(g, OutputRef):
+            yield g
+        elif isinstance(g, tuple):
+            yield from _flat_refs(g)
 
 
 __all__ = ["GradUnit", "PathView", "barrier_records", "ends_in_a_step_try"]

@@ -117,6 +117,7 @@ class PythonRunner(hook.Interceptor):
         self.born: dict = {}           # id(tensor) -> (tensor, python value), this iteration
         self.fetch_log: list = []      # Fetch records of this iteration
         self.fed_order: list = []      # slots in the order they were fed
+        self.passed: list = []         # starts of the coarse units skipped (their gates opened)
         self._raised = None            # op type whose fast path this runner refused last
         self._frozen_cache: dict = {}
         self.handles: dict = {}        # id(handle) -> (handle, variable) seen this iteration
@@ -441,7 +442,8 @@ class PythonRunner(hook.Interceptor):
             for slot in unit.feeds:
                 obj = self.view.trace.feed_values[slot]
                 self._feed(slot, obj, obj)
-            changed = self._changed_read(unit)  # (after the unit's feeds: a read may need them)
+            changed = self._changed_shape(unit) or self._changed_read(unit)  # (after the
+            # unit's feeds: a read may need them)
             if changed is None:
                 break
             self._rollback(mark)
@@ -453,6 +455,7 @@ class PythonRunner(hook.Interceptor):
                     unit = u
                     break
         self.last_unit = unit
+        self.iteration.open_gate(unit.start)
         self.pos = unit.end
         if self.advance is not None:
             self.advance(unit.end)
@@ -465,6 +468,36 @@ class PythonRunner(hook.Interceptor):
         if self.pos == self.view.n and self.view.end_sync:
             self.iteration.wait_run()
         return out
+
+    def _changed_shape(self, unit) -> Optional[Divergence]:
+        """Why `unit` cannot be skipped as recorded: a value whose shape the graph does not know
+        before it runs (the output of `tf.where`, `tf.unique`, NMS, a computed `tf.range`) has
+        another shape now than when the unit was traced, and the unit's Python may have built
+        its ops from that shape (a gradient's reduction axes, a layer's reshape): the values
+        of `PathView.shapes_read_by`. Reading one waits for it. Values the graph does not fetch
+        are all logged at once (one fallback, and the next graph fetches them)."""
+        unknown = self.iteration.exe.unknown_shapes()
+        if not unknown:
+            return None
+        missing, changed = [], None
+        for ref in self.view.shapes_read_by(unit):
+            if ref not in unknown:
+                continue
+            value = self.iteration.unit_read(ref)
+            if value is None:
+                missing.append(ref)
+                continue
+            traced = tuple(self.view.records[ref.record].outputs[ref.index].shape)
+            if changed is None and np.shape(value) != traced:
+                changed = Divergence(user_line(), f"{ref!r} of shape {list(traced)}",
+                                     f"shape {list(np.shape(value))}", self.pos,
+                                     "a unit's input has another shape than when it was traced")
+        if missing:
+            for ref in missing:
+                self.log_fetch(ref)
+            return Divergence(user_line(), f"fetch of {missing[0]!r}", "no fetch", self.pos,
+                              "shape read by a unit that the graph does not fetch")
+        return changed
 
     def _changed_read(self, unit) -> Optional[Divergence]:
         """Why `unit` cannot be skipped as recorded: a value its Python read then is different

@@ -480,6 +480,13 @@ class Session:
         if site.site_graph is not None and site.site_graph.built_for == key or \
                 site.site_graph_failed == key:
             return
+        gated = [p for p in paths if p.graph.gate_channels]
+        if gated:  # the site graph's lowering has no gates: each path keeps its own graph
+            site.site_graph, site.site_graph_failed = None, key
+            self._event("graph_build", site, number, f"no site graph: path p{gated[0].id} "
+                        "skips a unit only after checking a shape its graph does not know "
+                        "(a gate the site graph lacks); paths switch by restarting")
+            return
         try:
             with self.internal():
                 sg = SiteGraph(paths)

@@ -275,6 +275,10 @@ class SiteRun(Executable):
         graph = self.plan.path.graph
         return None if graph is None else graph.shapes.get(ref)
 
+    def unknown_shapes(self) -> frozenset:
+        graph = self.plan.path.graph
+        return frozenset() if graph is None else graph.unknown_shapes
+
     def fetch(self, fetch, ref, timeout):
         """Value of output `ref` of this iteration; `fetch(channel, timeout)` takes an element."""
         key, visit = self.plan.where[(ref.record, ref.index)]

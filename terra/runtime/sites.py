@@ -203,6 +203,12 @@ def _same_constant(value, frozen, dtype: str) -> bool:
         return False
 
 
+def _relaxed(spec, shape):
+    if shape is None or shape.rank is None or shape.is_fully_defined():
+        return spec
+    return TensorSpec(spec.dtype, tuple(shape.as_list()))
+
+
 @dataclass(eq=False)
 class Path:
     signature: tuple
@@ -230,6 +236,24 @@ class Path:
         """The path's first feed comes within its first few ops (then its run starts there)."""
         return any(isinstance(r, FeedRef) for rec in self.trace.records[:16]
                    for r in rec.input_refs())
+
+    def switch_signature(self) -> tuple:
+        """The record signatures a path switch compares (`Iteration.switch`), with each output's
+        shape as the path's graph infers it: two paths that differ only in the length of a
+        data-dependent output (`tf.where` kept 2 values when one was traced, 3 for the other)
+        agree up to the op whose recorded ops depend on that length."""
+        graph = self.graph
+        cached = self.__dict__.get("_switch_sig")
+        if cached is not None and cached[0] is graph:
+            return cached[1]
+        shapes = graph.shapes if graph is not None else {}
+        sig = []
+        for i, s in enumerate(self.signature[0]):
+            outs = tuple(_relaxed(o, shapes.get(OutputRef(i, j))) for j, o in enumerate(s[-1]))
+            sig.append(s if outs == s[-1] else s[:-1] + (outs,))
+        sig = tuple(sig)
+        self.__dict__["_switch_sig"] = (graph, sig)
+        return sig
 
     def usable_units(self) -> dict:
         return {s: u for s, u in self.units.items() if not u.feeds or s in self.verified}
@@ -321,7 +345,8 @@ def units_for(trace, units) -> dict:
             continue  # skipping the unit whole would skip a host op Python must run
         feeds = _unit_feeds(trace, u)
         if feeds is not None:
-            out[start] = GradUnit(u.start, u.end, u.guard, u.result, feeds, u.structure, u.reads)
+            out[start] = GradUnit(u.start, u.end, u.guard, u.result, feeds, u.structure, u.reads,
+                                  u.backprop)
     return out
 
 
@@ -350,18 +375,7 @@ def _unit_feeds(trace, unit):
     return tuple(inside)
 
 
-# Ops whose output shape depends on input values: a placeholder would report the traced shape
-# and Python code reading `.shape` could decide differently than eager. Not compiled (yet).
-DATA_DEPENDENT_SHAPE_OPS = frozenset({
-    "Where", "Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2", "DynamicPartition",
-    "ListDiff", "NonMaxSuppressionV3", "NonMaxSuppressionV4", "NonMaxSuppressionV5",
-    "RaggedRange", "StringSplitV2", "SparseFillEmptyRows"})
-
-
 def uncompilable(trace, units=None) -> str | None:
-    bad = sorted({r.op_type for r in trace.records if r.op_type in DATA_DEPENDENT_SHAPE_OPS})
-    if bad:
-        return f"ops with data-dependent output shapes ({', '.join(bad)})"
     if trace.unsupported:
         return "; ".join(sorted(set(trace.unsupported))[:3])
     if trace.unseeded_random:

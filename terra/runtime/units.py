@@ -15,7 +15,6 @@ from terra.runtime.placeholders import Placeholder
 from terra.runtime.divergence import PAST_END, Diverged, Divergence, user_line
 from terra.runtime.path_view import GradUnit
 from terra.runtime.python_runner import placeholder_ref
-from terra.runtime.sites import DATA_DEPENDENT_SHAPE_OPS
 from terra.tracing import hook
 
 
@@ -260,22 +259,17 @@ def function_call(session, fn, original, args, kwargs):
 
 def _check_function_body(session, trace, r) -> None:
     """What the function record `r` hides: a stateful random op (a replayed graph instantiates
-    its kernels anew and draws another sequence than eager) or, with an output whose shape
-    is not static, an op whose output shape depends on data (placeholders would report the
-    traced shape)."""
+    its kernels anew and draws another sequence than eager). An output whose shape depends on
+    data is fine: its placeholder has the shape the graph infers (unknown dimensions)."""
     atomic = trace.functions.get(r.function)
     atomic = getattr(atomic, "atomic", atomic)
     if atomic is None:
         return
-    body = session._function_ops.get(r.function)
-    if body is None:
-        body = session._function_ops[r.function] = (tfp.function_op_types(atomic),
-                                                 tfp.function_outputs_static(atomic))
-    types, static = body
+    types = session._function_ops.get(r.function)
+    if types is None:
+        types = session._function_ops[r.function] = tfp.function_op_types(atomic)
     if types & UNSEEDED_RANDOM_OPS:
         trace.unseeded_random.append(r.index)
-    if types & DATA_DEPENDENT_SHAPE_OPS and not static:
-        trace.unsupported.append(f"{r.function}: ops with data-dependent output shapes")
 
 def _function_guard(session, it, fn, flat) -> tuple:
     """(fn, tape may record, one entry per flat argument). In skip mode a tensor argument

@@ -1,0 +1,133 @@
+"""Ops whose output shape depends on data (`tf.where`, `tf.boolean_mask`, `tf.unique`,
+non-max suppression) compile: their outputs have unknown dimensions in the graph, Python waits
+for the value only where it reads a shape, and a coarse unit (`tape.gradient`, whose gradient
+functions build ops from the forward values' shapes) is skipped only while those shapes are the
+traced ones; another shape takes the path traced with it, or falls back. Each program runs
+eagerly and under Terra and must give the same values, shapes and variables."""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import terra  # noqa: E402
+from tests.counting import CompileCounter  # noqa: E402
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["path-graph", "site-graph"])
+def site_graph(request):
+    terra.reset()
+    old = terra.config(timeout_s=30.0, site_graph=request.param, grappler=True)
+    yield request.param
+    terra.reset()
+    terra.config(**old)
+
+
+def _both(program):
+    eager = program(tf.GradientTape)
+    with CompileCounter() as c:
+        got = program(tf.TerraGradientTape)
+    assert got == eager, terra.explain()
+    assert "data-dependent" not in terra.explain()
+    return c
+
+
+def test_where_output_feeds_later_ops_without_a_shape_read():
+    """No Python read, no gradient through it: one path serves every count."""
+    def program(Tape):
+        v = tf.Variable([0.5, -1.0, 2.0, -3.0, 4.0])
+        out = []
+        for i in range(8):
+            with Tape():
+                idx = tf.where(v > float(i % 3) - 1.0)
+                total = tf.reduce_sum(tf.gather_nd(v, idx))
+            v.assign_add(tf.fill([5], 0.25) * tf.sign(v))
+            out.append(float(total))
+        return out, v.numpy().tolist()
+    _both(program).assert_counts(traces=2, graph_builds=1, fallbacks=0)
+
+
+def test_boolean_mask_shape_read_by_python_and_by_the_gradient():
+    """`picked.shape` is a sync point; the gradient of `reduce_sum(picked ** 2)` tiles by the
+    traced size, so each size is a path of its own (here the threshold, which sets the size,
+    is a constant each path keeps). Each path learns the read of `picked.shape` with one
+    fallback. Its gradient waits for Python's shape check, which the site graph cannot do:
+    the site keeps its path graphs (both backends count the same)."""
+    def program(Tape):
+        v = tf.Variable([1.0, -2.0, 3.0, -4.0])
+        sizes = []
+        for i in range(10):
+            with Tape() as tape:
+                picked = tf.boolean_mask(v, v > float(i % 2) * 2.0 - 3.0)
+                sizes.append(int(picked.shape[0]))
+                loss = tf.reduce_sum(picked ** 2)
+            v.assign_sub(0.01 * tape.gradient(loss, v))
+        return sizes, v.numpy().tolist()
+    _both(program).assert_counts(traces=6, graph_builds=4, fallbacks=3)
+    assert "no site graph" in terra.explain() or not terra.config()["site_graph"]
+
+
+def test_unique_and_nms_in_the_forward_with_a_gradient_through_the_kept_boxes():
+    """The kept boxes' count is read after the step (one fallback learns the fetch, one the
+    value kept past the iteration); the gradient's shape checks need no fallback of their
+    own (the graph fetches what they read from its first build)."""
+    def program(Tape):
+        v = tf.Variable(tf.random.stateless_normal([20, 4], [1, 2]))
+        out = []
+        for _ in range(8):
+            with Tape() as tape:
+                boxes = tf.concat([v[:, :2], v[:, :2] + tf.abs(v[:, 2:])], 1)
+                scores = tf.reduce_sum(v, 1)
+                keep = tf.image.non_max_suppression(boxes, scores, 10, 0.3)
+                sel = tf.gather(boxes, keep)
+                u, _ = tf.unique(tf.cast(tf.where(scores > 0.0)[:, 0] % 3, tf.int32))
+                loss = tf.reduce_sum(sel ** 2) + tf.cast(tf.size(u), tf.float32)
+            v.assign_sub(0.01 * tape.gradient(loss, v))
+            out.append((float(loss), int(keep.shape[0])))
+        return out, v.numpy().tolist()
+    _both(program).assert_counts(traces=4, graph_builds=3, fallbacks=2)
+
+
+def test_unique_labels_for_a_python_metric():
+    """A count of distinct labels read by Python each step (`len(classes)`: one fallback
+    learns the fetch); the gradient does not depend on it, so its size is never checked."""
+    def program(Tape):
+        w = tf.Variable([[0.5], [-0.5]])
+        rng = np.random.default_rng(3)
+        out = []
+        for _ in range(9):
+            x = tf.constant(rng.standard_normal((6, 2)), tf.float32)
+            y = tf.constant(rng.integers(0, 3, 6), tf.int32)
+            with Tape() as tape:
+                classes, _ = tf.unique(y)
+                loss = tf.reduce_mean((x @ w) ** 2)
+            w.assign_sub(0.1 * tape.gradient(loss, w))
+            out.append((len(classes), float(loss)))
+        return out, w.numpy().tolist()
+    _both(program).assert_counts(traces=3, graph_builds=2, fallbacks=1)
+
+
+def test_mask_size_set_by_the_data_alternates_between_two_traced_paths():
+    """The same ops every step; only the data sets how many values the mask keeps, so the
+    gradient's recorded ops differ by size: a path per size. The gradient's ops wait until
+    Python has checked the size at `tape.gradient` (a gate in the graph), so the other size
+    switches paths there instead of running, and failing, with the wrong shape. (Without
+    Grappler: its constant folding pushes the constant `x` into the gradient's products, an
+    ulp away from eager's order: `config.grappler` says "to about an ulp".)"""
+    terra.config(grappler=False)
+
+    def program(Tape):
+        v = tf.Variable([1.0, -2.0, 3.0, -4.0])
+        rows = [[1.0, -2.0, 3.0, -4.0], [1.0, 2.0, 3.0, -4.0]]
+        out = []
+        for i in range(12):
+            x = tf.constant(rows[(i // 3) % 2])
+            with Tape() as tape:
+                picked = tf.boolean_mask(v * x, x > 0.0)
+                loss = tf.reduce_sum(picked ** 2)
+            v.assign_sub(0.01 * tape.gradient(loss, v))
+            out.append(float(loss))
+        return out, v.numpy().tolist()
+    _both(program).assert_counts(traces=4, graph_builds=3, fallbacks=2, path_switches=2)
