@@ -449,6 +449,26 @@ def gradient_tape_exports() -> list:
 # Keras' built-in layers live under this private package; only their calls are units (a user's
 # layer subclass may branch on values in Python, so its ops are matched one by one).
 KERAS_BUILTIN_LAYER_MODULES = ("keras.src.layers.",)
+# A plain `keras.Sequential` or functional `keras.Model` (these exact classes: `keras.Model(inputs,
+# outputs)` makes a `Functional`) whose every layer is built in issues the same ops for the same
+# inputs and layer settings, as one built-in layer does: its call is one unit too.
+KERAS_BUILTIN_MODEL_MODULES = ("keras.src.models.sequential", "keras.src.models.functional")
+
+
+def keras_builtin_model_layers(model):
+    """Every layer of `model` (nested models' too) and `keras.ops` operation of its graph if it
+    is a plain Sequential or functional model made of built-in ones only; else None."""
+    if type(model).__module__ not in KERAS_BUILTIN_MODEL_MODULES:
+        return None
+    layers = list(model._flatten_layers(include_self=False, recursive=True))
+    seen = {id(x) for x in layers}
+    ops = [op for op in getattr(model, "_operations", ()) if id(op) not in seen]
+    for op in layers + ops:  # a functional model's graph may hold `keras.ops` operations
+        module = type(op).__module__
+        if not (module.startswith(KERAS_BUILTIN_LAYER_MODULES + ("keras.src.ops.",)) or
+                module in KERAS_BUILTIN_MODEL_MODULES):
+            return None
+    return layers + ops
 
 
 def keras_unit_classes() -> dict:

@@ -185,3 +185,25 @@ def test_gradient_tape_exports():
     for attr in tfp.KERAS_TRAINER_BOUNDARIES:
         assert callable(trainer.__dict__[attr])
     assert "tf.GradientTape()" in inspect.getsource(trainer.train_step)
+
+
+def test_keras_builtin_models_are_recognized_with_all_their_operations():
+    """`keras.Sequential` and `keras.Model(inputs, outputs)` live in KERAS_BUILTIN_MODEL_MODULES,
+    and `_flatten_layers` / `_operations` list every layer and `keras.ops` operation of them
+    (the model unit's guard covers exactly these)."""
+    import keras
+    seq = keras.Sequential([keras.layers.Input((3,)), keras.layers.Dense(2),
+                            keras.Sequential([keras.layers.Dense(2)])])
+    inp = keras.layers.Input((3,))
+    fun = keras.Model(inp, keras.ops.relu(keras.layers.Dense(2)(inp)))
+    assert type(seq).__module__ in tfp.KERAS_BUILTIN_MODEL_MODULES
+    assert type(fun).__module__ in tfp.KERAS_BUILTIN_MODEL_MODULES
+    names = [type(x).__name__ for x in tfp.keras_builtin_model_layers(seq)]
+    assert names.count("Dense") == 2 and "Sequential" in names, names
+    kinds = {type(x).__module__.split(".")[2] for x in tfp.keras_builtin_model_layers(fun)}
+    assert kinds == {"layers", "ops"}, kinds
+
+    class Own(keras.Model):
+        def call(self, x):
+            return x
+    assert tfp.keras_builtin_model_layers(Own()) is None

@@ -133,18 +133,51 @@ def apply_gradients(session, opt, original, grads_and_vars):
                                     reads=tuple(reads))
     return result
 
+def _settings(layer) -> tuple:
+    return tuple((k, v) for k, v in vars(layer).items()
+                 if isinstance(v, (bool, int, float, str, type(None))))
+
+
+def _feed_data_inputs(runner, want, guard, flat) -> tuple:
+    """`guard` with each tensor the unit `want`s as a feed its model call first uses (data
+    passed straight to the model) fed now, as tracing made it a feed inside the call; None if
+    one cannot be (a batch of another shape: the model's ops, matched one by one, meet it)."""
+    out = list(guard)
+    mark = len(runner.fed_order)
+    for i, x in enumerate(flat):
+        w = want[i + 2]
+        if isinstance(guard[i + 2], tuple) and isinstance(w, FeedRef) and \
+                isinstance(x, tfp.EagerTensorBase) and w.slot not in runner.fed:
+            try:
+                runner._feed(w.slot, x, x)
+            except Diverged:
+                runner._rollback(mark)
+                return None
+            out[i + 2] = w
+    return tuple(out)
+
+
 def layer_call(session, layer, original, args, kwargs):
-    """A built-in Keras layer call as one coarse unit (guarded on the layer object, its plain
-    Python settings, the inputs' producers and plain arguments). User-defined layers and
-    models run op by op: their Python may do anything."""
+    """A built-in Keras layer call, or a call of a plain Sequential or functional model made of
+    built-in layers, as one coarse unit (guarded on the layer object, its plain Python settings
+    and, for a model, each of its layers and theirs, the inputs' producers and plain
+    arguments). User-defined layers and models run op by op: their Python may do anything."""
     it = session.iteration
     if it is None or it.mode not in ("skip", "tracing") or session._layer_depth or \
-            not getattr(layer, "built", False) or \
-            not type(layer).__module__.startswith(tfp.KERAS_BUILTIN_LAYER_MODULES):
+            not getattr(layer, "built", False):
         return original(layer, *args, **kwargs)
-    settings = tuple((k, v) for k, v in vars(layer).items()
-                     if isinstance(v, (bool, int, float, str, type(None))))
+    model = not type(layer).__module__.startswith(tfp.KERAS_BUILTIN_LAYER_MODULES)
+    if not model:
+        settings = _settings(layer)
+    else:
+        inner = tfp.keras_builtin_model_layers(layer)
+        if inner is None:
+            return original(layer, *args, **kwargs)
+        settings = (_settings(layer),) + tuple((id(x), _settings(x)) for x in inner)
     flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True)
+    if model and not all(isinstance(x, (tfp.Tensor, tfp.BaseResourceVariable, bool, int, float,
+                                        str, type(None))) for x in flat):
+        return original(layer, *args, **kwargs)  # (NumPy inputs): its layers are units
 
     def guard_of(x):
         if isinstance(x, (bool, int, float, str, type(None))):
@@ -154,6 +187,12 @@ def layer_call(session, layer, original, args, kwargs):
     if it.mode == "skip":
         unit = it.runner.view.units.get(it.runner.pos)
         guard = (id(layer), settings) + tuple(guard_of(x) for x in flat)
+        if model and unit is not None and len(unit.guard) == len(guard) and \
+                unit.guard[:2] == guard[:2]:
+            with session.internal():
+                guard = _feed_data_inputs(it.runner, unit.guard, guard, flat)
+            if guard is None:
+                return original(layer, *args, **kwargs)
         if unit is not None and unit.guard == guard:
             try:
                 with session.internal():
@@ -161,14 +200,16 @@ def layer_call(session, layer, original, args, kwargs):
                 return tf.nest.pack_sequence_as(unit.structure, out, expand_composites=True)
             except Diverged:  # a value the layer's Python read differs: its ops decide
                 pass
+        if model:  # its layers may be units of their own
+            return original(layer, *args, **kwargs)
         session._layer_depth += 1  # no unit here: match the layer's ops one by one
         try:
             return original(layer, *args, **kwargs)
         finally:
             session._layer_depth -= 1
     rec = it.recorder
-    guard = (id(layer), settings) + tuple(
-        guard_of(x._terra_materialize() if isinstance(x, Placeholder) else x) for x in flat)
+    flat = [x._terra_materialize() if isinstance(x, Placeholder) else x for x in flat]
+    guard = (id(layer), settings) + tuple(guard_of(x) for x in flat)
     start = len(rec.trace.records)
     session._layer_depth += 1
     try:
@@ -176,6 +217,8 @@ def layer_call(session, layer, original, args, kwargs):
             result = original(layer, *args, **kwargs)
     finally:
         session._layer_depth -= 1
+    if model:  # after the call: data passed straight to the model is a feed now
+        guard = (id(layer), settings) + tuple(guard_of(x) for x in flat)
     with _terra_reads(it):
         outs = tf.nest.flatten(result, expand_composites=True)
         structure = _shape_of(result)

@@ -1,0 +1,114 @@
+"""A plain `keras.Sequential` or functional `keras.Model` made of built-in layers is one coarse
+unit (terra/runtime/units.py `layer_call`), guarded on the model, its settings and every layer's;
+a subclassed model, or one holding a user-defined layer, is not (its layers are units of their
+own). Each program runs eagerly and under Terra: same losses and variables, bit for bit."""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import terra  # noqa: E402
+from terra import _tf_private as tfp  # noqa: E402
+from tests.counting import CompileCounter  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    terra.reset()
+    old = terra.config(timeout_s=30.0)
+    yield
+    terra.reset()
+    terra.config(**old)
+
+
+class Scale(keras.layers.Layer):
+    def call(self, x):
+        return 2.0 * x
+
+
+def sequential(seed, extra=None):
+    keras.utils.set_random_seed(seed)
+    layers = [keras.layers.Input((4,)), keras.layers.Dense(8),
+              keras.layers.LeakyReLU(negative_slope=0.2), keras.layers.Dense(1)]
+    if extra is not None:
+        layers.insert(2, extra)
+    return keras.Sequential(layers)
+
+
+def functional(seed):
+    keras.utils.set_random_seed(seed)
+    inp = keras.layers.Input((4,))
+    h = keras.layers.Dense(8, activation="relu")(inp)
+    return keras.Model(inp, keras.layers.Dense(1)(keras.layers.Add()([h, h])[:, :1]))
+
+
+def train(make, Tape, steps=8, numpy_inputs=False, change=None):
+    model, opt = make(), keras.optimizers.SGD(0.05)
+    rng = np.random.default_rng(1)
+    xs = rng.normal(size=(steps, 8, 4)).astype(np.float32)
+    ys = rng.normal(size=(steps, 8, 1)).astype(np.float32)
+    losses = []
+    for i in range(steps):
+        if change is not None:
+            change(model, i)
+        x = xs[i] if numpy_inputs else tf.constant(xs[i])
+        with Tape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - ys[i]) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        losses.append(float(loss))
+    return losses, [v.numpy().tolist() for v in model.variables]
+
+
+def both(make, **kw):
+    eager = train(make, tf.GradientTape, **kw)
+    with CompileCounter() as c:
+        got = train(make, tf.TerraGradientTape, **kw)
+    assert got == eager, terra.explain()
+    return c
+
+
+def unit_spans():
+    (site,) = terra._SESSION.sites.values()
+    compiled = [p for p in site.paths.values() if p.graph is not None]
+    return sorted({(u.start, u.end) for p in compiled for u in p.units.values()})
+
+
+def test_a_sequential_model_call_is_one_unit():
+    both(lambda: sequential(0)).assert_counts(traces=3, graph_builds=1, fallbacks=0)
+    spans = unit_spans()
+    # the model's call, tape.gradient, apply_gradients: three units, the first from op 0
+    assert len(spans) == 3 and spans[0][0] == 0, spans
+
+
+def test_a_functional_model_with_a_sliced_output_is_one_unit():
+    both(lambda: functional(1)).assert_counts(traces=3, graph_builds=1, fallbacks=0)
+    assert len(unit_spans()) == 3
+
+
+def test_changing_an_inner_layers_setting_is_not_skipped():
+    """`negative_slope` of the LeakyReLU inside the model changes at step 5: the model's guard
+    fails, its layers run op by op, a constant differs and the new slope's path is traced."""
+    def change(model, i):
+        if i == 5:
+            model.layers[1].negative_slope = 0.5
+    both(lambda: sequential(2), change=change).assert_counts(traces=4, graph_builds=2,
+                                                            fallbacks=1)
+
+
+def test_a_model_with_a_user_defined_layer_is_not_a_unit():
+    assert tfp.keras_builtin_model_layers(sequential(3, extra=Scale())) is None
+    assert tfp.keras_builtin_model_layers(sequential(3)) is not None
+    both(lambda: sequential(3, extra=Scale())).assert_counts(traces=3, graph_builds=1,
+                                                            fallbacks=0)
+    assert len(unit_spans()) > 3  # its built-in layers are units one by one
+
+
+def test_numpy_inputs_keep_per_layer_units():
+    both(lambda: sequential(4), numpy_inputs=True).assert_counts(traces=3, graph_builds=1,
+                                                                fallbacks=0)
+    assert len(unit_spans()) > 3
