@@ -26,6 +26,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.real
 	$(PY) -m benchmarks.fit
 	$(PY) -m benchmarks.soak
+	$(PY) -m benchmarks.breakdown
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.run --quick
@@ -33,7 +34,7 @@ bench-quick: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-.PHONY: bench-coexec bench-pipeline bench-real bench-fit bench-soak results
+.PHONY: bench-coexec bench-pipeline bench-real bench-fit bench-soak bench-breakdown results
 bench-coexec: $(STAMP)
 	$(PY) -m benchmarks.coexec
 
@@ -45,6 +46,9 @@ bench-fit: $(STAMP)
 
 bench-soak: $(STAMP)
 	$(PY) -m benchmarks.soak
+
+bench-breakdown: $(STAMP)
+	$(PY) -m benchmarks.breakdown
 
 bench-pipeline: $(STAMP)
 	$(PY) benchmarks/pipeline.py
