@@ -61,6 +61,22 @@ def wait_until(ready, what, timeout=None, watch=None):
             delay = min(delay * 2, _SLEEP_MAX_S)
 
 
+def wait_event(event, what, timeout=None) -> float:
+    """Block on threading.Event `event` until it is set; bounded by `timeout`
+    (TerraTimeoutError naming `what`). Unlike polling, it neither adds latency nor takes a
+    core from the graph's threads; waits in slices so Ctrl-C is seen between them (a lock wait
+    is interrupted by signals on POSIX anyway). Returns the seconds waited."""
+    if event.is_set():
+        return 0.0
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    start = time.perf_counter()
+    deadline = start + timeout
+    while not event.wait(min(0.1, max(0.0, deadline - time.perf_counter()))):
+        if time.perf_counter() >= deadline:
+            raise TerraTimeoutError(what, timeout)
+    return time.perf_counter() - start
+
+
 def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 

@@ -32,7 +32,7 @@ import weakref
 import tensorflow as tf
 
 from terra import _tf_private as tfp
-from terra.compiler.channels import DEFAULT_TIMEOUT, wait_until
+from terra.compiler.channels import DEFAULT_TIMEOUT, wait_event
 from terra.compiler.names import op_index_of, op_node_name
 from terra.errors import TerraRuntimeError
 
@@ -281,7 +281,7 @@ class GraphRunner:
             raise TerraRuntimeError("GraphRunner.result(): no run was started")
         what = f"graph run #{run.index} of {run.fn.name}"
         try:
-            wait_until(run._done.is_set, what, timeout)
+            wait_event(run._done, what, timeout)
         except KeyboardInterrupt:
             self.cancel()
             raise
@@ -294,7 +294,7 @@ class GraphRunner:
         """Wait (bounded) for `run` to end, without consuming it (`result` does); Ctrl-C while
         waiting cancels the graph before it propagates."""
         try:
-            wait_until(run._done.is_set, f"graph run #{run.index} of {run.fn.name}", timeout)
+            wait_event(run._done, f"graph run #{run.index} of {run.fn.name}", timeout)
         except KeyboardInterrupt:
             self.cancel()
             raise
@@ -338,7 +338,7 @@ class GraphRunner:
             self._work = collections.deque(r for r in self._work if r not in runs)
         timeout = DEFAULT_TIMEOUT if timeout is None else timeout
         for r in runs:
-            wait_until(r._done.is_set, f"cancellation of graph run #{r.index}", timeout)
+            wait_event(r._done, f"cancellation of graph run #{r.index}", timeout)
         with self._cv:
             self._runs = collections.deque(r for r in self._runs if r not in runs)
         return [r for r in runs if r.state == "cancelled"]

@@ -272,3 +272,16 @@ def test_wait_until_returns_waited_time_and_honours_keyboard_interrupt():
 
     with pytest.raises(KeyboardInterrupt):
         wait_until(lambda: False, "never", 5, watch=watch)
+
+
+def test_wait_event_returns_at_once_when_set_and_times_out_naming_the_wait():
+    from terra.compiler.channels import wait_event
+    from terra.errors import TerraTimeoutError
+    ev = threading.Event()
+    ev.set()
+    assert wait_event(ev, "set", 0.0) == 0.0
+    ev = threading.Event()
+    threading.Timer(0.05, ev.set).start()
+    assert wait_event(ev, "timer", 10) > 0.0 and ev.is_set()
+    with pytest.raises(TerraTimeoutError, match="never"):
+        wait_event(threading.Event(), "never", 0.2)

@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from terra.compiler.channels import (FeedChannel, FeedFetchOrder, FetchChannel,  # noqa: E402
-                                    wait_until)
+                                    wait_event, wait_until)
 from terra.errors import TerraRuntimeError, TerraTimeoutError  # noqa: E402
 from terra.runtime.graph_runner import (FetchResolver, GraphRunner, op_index_of,  # noqa: E402
                                         op_node_name, timing, with_error_context)
@@ -244,7 +244,7 @@ def _interrupt_main_once_it_waits(limit_s=120.0):
     def waiting():
         f = sys._current_frames().get(main)
         while f is not None:
-            if f.f_code is wait_until.__code__:
+            if f.f_code in (wait_until.__code__, wait_event.__code__):
                 return True
             f = f.f_back
         return False

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import terra  # noqa: E402
-from terra.compiler.channels import wait_until  # noqa: E402
+from terra.compiler.channels import wait_event, wait_until  # noqa: E402
 from terra.runtime.interrupts import held_interrupts  # noqa: E402
 from terra.runtime.iteration import Iteration  # noqa: E402
 
@@ -65,7 +65,7 @@ def _interrupt_once_finishing_waits(stop):
         f = sys._current_frames().get(main)
         seen_wait = False
         while f is not None:
-            if f.f_code is wait_until.__code__:
+            if f.f_code in (wait_until.__code__, wait_event.__code__):
                 seen_wait = True
             if f.f_code is Iteration.finish.__code__:
                 return seen_wait
