@@ -165,9 +165,10 @@ def worker_main(spec: dict, task: int):
     os._exit(0)
 
 
-def run_isolated(args, timeout: float = 180.0, on_start=None) -> dict:
+def run_isolated(args, timeout: float = 180.0, on_start=None, cancel=None) -> dict:
     """Run ``python -m terra.pipeline.cluster <args>`` inside ``unshare -rn`` (loopback only) and
-    return the JSON it prints last. The whole process group is killed on timeout or error.
+    return the JSON it prints last. The whole process group is killed on timeout, on error, or
+    once the threading.Event `cancel` is set (TimeoutError either way, saying which).
     The run is a session of its own (its workers included), whose id is the pid of the process
     `on_start(popen)` is given, if passed."""
     cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "terra.pipeline.cluster", *args])
@@ -176,12 +177,20 @@ def run_isolated(args, timeout: float = 180.0, on_start=None) -> dict:
                             start_new_session=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
     if on_start is not None:
         on_start(proc)
+    deadline = time.monotonic() + timeout
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise TimeoutError(f"cluster run exceeded {timeout} s; stderr tail:\n{err[-2000:]}")
+        while True:
+            try:  # (retrying communicate after its timeout loses no output)
+                out, err = proc.communicate(timeout=timeout if cancel is None else 0.2)
+                break
+            except subprocess.TimeoutExpired:
+                cancelled = cancel is not None and cancel.is_set()
+                if not cancelled and time.monotonic() < deadline:
+                    continue
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+                why = "was cancelled" if cancelled else f"exceeded {timeout} s"
+                raise TimeoutError(f"cluster run {why}; stderr tail:\n{err[-2000:]}") from None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
