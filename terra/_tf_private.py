@@ -486,7 +486,32 @@ def keras_unit_classes() -> dict:
         out["layer"] = Layer
     except ImportError:
         pass
+    try:
+        from keras.src.losses.loss import Loss
+        out["loss"] = Loss
+    except ImportError:
+        pass
     return out
+
+
+# Keras' built-in losses (a `Loss` object's call: the loss function of its `fn` with its
+# `_fn_kwargs`, reduced as its `reduction` says) are units as built-in layers are.
+KERAS_BUILTIN_LOSS_MODULES = ("keras.src.losses.",)
+
+
+def keras_loss_settings(loss) -> tuple | None:
+    """What a built-in Keras loss object's call depends on besides its inputs: its plain
+    attributes, its function and that function's keyword arguments; None if it is not a
+    built-in loss or a keyword argument is not a plain value."""
+    if not type(loss).__module__.startswith(KERAS_BUILTIN_LOSS_MODULES):
+        return None
+    kwargs = getattr(loss, "_fn_kwargs", {})
+    plain = (bool, int, float, str, type(None))
+    if not all(isinstance(v, plain) for v in kwargs.values()):
+        return None
+    return (tuple((k, v) for k, v in vars(loss).items() if isinstance(v, plain)),
+            id(getattr(loss, "fn", None)), tuple(sorted(kwargs.items())),
+            str(getattr(loss, "dtype", None)))
 
 
 KERAS_TRAINER_BOUNDARIES = ("fit", "evaluate", "predict")

@@ -38,7 +38,8 @@ class Config:
     timeout_s: bound of every internal wait; reaching it raises TerraTimeoutError naming the op.
     verbose: 0 silent, 1 one line per trace/fallback/graph build, 2 also per iteration.
     max_trace_ops: recording stops (site treated as unsupported) beyond this many ops.
-    layer_units: match calls of Keras' built-in layers as one guarded unit each.
+    layer_units: match calls of Keras' built-in layers, loss objects and plain Sequential /
+        functional models of built-in layers as one guarded unit each.
     site_graph: a site with two or more compiled paths runs one lowered graph for all of them
       (switch_case / while_loop): a branch Python takes is a Case-Select put, not a restart.
       Off by default (docs/usage.md, "Branches: the site graph": slower where measured, and

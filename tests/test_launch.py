@@ -89,6 +89,7 @@ def test_exception_exit_code_and_traceback_are_pythons(program, tmp_path):
     assert r.returncode == 3, r.stderr
 
 
+@pytest.mark.slow  # several interpreter launches (~15 s): make test-slow
 def test_options_become_terra_config_and_module_mode(program, tmp_path):
     r = _run(["-m", "terra", "--no-coexecution", "--max-traces", "3", "-vv",
               str(program / "train.py"), "--config"], cwd=tmp_path)
@@ -104,6 +105,7 @@ def test_options_become_terra_config_and_module_mode(program, tmp_path):
     assert r.returncode == 2 and "can't open file" in r.stderr
 
 
+@pytest.mark.slow  # several interpreter launches (~15 s): make test-slow
 def test_environment_hook_enables_terra_only_when_asked(program, tmp_path):
     site = tmp_path / "site"
     site.mkdir()

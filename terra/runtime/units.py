@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import tensorflow as tf
 
 from terra import _tf_private as tfp
@@ -138,6 +139,16 @@ def _settings(layer) -> tuple:
                  if isinstance(v, (bool, int, float, str, type(None))))
 
 
+def _data_feed(rec, x):
+    """The feed a NumPy array passed straight to a unit became inside it (its conversion's
+    feed holds the array itself), or None."""
+    if isinstance(x, np.ndarray):
+        for slot, v in enumerate(rec.trace.feed_values):
+            if v is x:
+                return FeedRef(slot)
+    return None
+
+
 def _feed_data_inputs(runner, want, guard, flat) -> tuple:
     """`guard` with each tensor the unit `want`s as a feed its model call first uses (data
     passed straight to the model) fed now, as tracing made it a feed inside the call; None if
@@ -147,7 +158,7 @@ def _feed_data_inputs(runner, want, guard, flat) -> tuple:
     for i, x in enumerate(flat):
         w = want[i + 2]
         if isinstance(guard[i + 2], tuple) and isinstance(w, FeedRef) and \
-                isinstance(x, tfp.EagerTensorBase) and w.slot not in runner.fed:
+                isinstance(x, (tfp.EagerTensorBase, np.ndarray)) and w.slot not in runner.fed:
             try:
                 runner._feed(w.slot, x, x)
             except Diverged:
@@ -157,17 +168,21 @@ def _feed_data_inputs(runner, want, guard, flat) -> tuple:
     return tuple(out)
 
 
-def layer_call(session, layer, original, args, kwargs):
+def layer_call(session, layer, original, args, kwargs, loss=False):
     """A built-in Keras layer call, or a call of a plain Sequential or functional model made of
     built-in layers, as one coarse unit (guarded on the layer object, its plain Python settings
     and, for a model, each of its layers and theirs, the inputs' producers and plain
     arguments). User-defined layers and models run op by op: their Python may do anything."""
     it = session.iteration
     if it is None or it.mode not in ("skip", "tracing") or session._layer_depth or \
-            not getattr(layer, "built", False):
+            not (loss or getattr(layer, "built", False)):
         return original(layer, *args, **kwargs)
-    model = not type(layer).__module__.startswith(tfp.KERAS_BUILTIN_LAYER_MODULES)
-    if not model:
+    model = not loss and not type(layer).__module__.startswith(tfp.KERAS_BUILTIN_LAYER_MODULES)
+    if loss:
+        settings = tfp.keras_loss_settings(layer)
+        if settings is None:
+            return original(layer, *args, **kwargs)
+    elif not model:
         settings = _settings(layer)
     else:
         inner = tfp.keras_builtin_model_layers(layer)
@@ -175,9 +190,10 @@ def layer_call(session, layer, original, args, kwargs):
             return original(layer, *args, **kwargs)
         settings = (_settings(layer),) + tuple((id(x), _settings(x)) for x in inner)
     flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True)
-    if model and not all(isinstance(x, (tfp.Tensor, tfp.BaseResourceVariable, bool, int, float,
-                                        str, type(None))) for x in flat):
-        return original(layer, *args, **kwargs)  # (NumPy inputs): its layers are units
+    data = model or loss  # may be handed data straight (fed when the unit is skipped)
+    if data and not all(isinstance(x, (tfp.Tensor, tfp.BaseResourceVariable, np.ndarray, bool,
+                                       int, float, str, type(None))) for x in flat):
+        return original(layer, *args, **kwargs)
 
     def guard_of(x):
         if isinstance(x, (bool, int, float, str, type(None))):
@@ -187,7 +203,7 @@ def layer_call(session, layer, original, args, kwargs):
     if it.mode == "skip":
         unit = it.runner.view.units.get(it.runner.pos)
         guard = (id(layer), settings) + tuple(guard_of(x) for x in flat)
-        if model and unit is not None and len(unit.guard) == len(guard) and \
+        if data and unit is not None and len(unit.guard) == len(guard) and \
                 unit.guard[:2] == guard[:2]:
             with session.internal():
                 guard = _feed_data_inputs(it.runner, unit.guard, guard, flat)
@@ -217,8 +233,8 @@ def layer_call(session, layer, original, args, kwargs):
             result = original(layer, *args, **kwargs)
     finally:
         session._layer_depth -= 1
-    if model:  # after the call: data passed straight to the model is a feed now
-        guard = (id(layer), settings) + tuple(guard_of(x) for x in flat)
+    if data:  # after the call: data passed straight to it is a feed now
+        guard = (id(layer), settings) + tuple(_data_feed(rec, x) or guard_of(x) for x in flat)
     with _terra_reads(it):
         outs = tf.nest.flatten(result, expand_composites=True)
         structure = _shape_of(result)
@@ -375,6 +391,12 @@ def _layer_rule(session, layer, original, args, kwargs):
     return layer_call(session, layer, original, args, kwargs)
 
 
+def _loss_rule(session, loss, original, args, kwargs):
+    if not CONFIG.layer_units:
+        return original(loss, *args, **kwargs)
+    return layer_call(session, loss, original, args, kwargs, loss=True)
+
+
 def _function_rule(session, fn, original, args, kwargs):
     return function_call(session, fn, original, args, kwargs)
 
@@ -382,7 +404,7 @@ def _function_rule(session, fn, original, args, kwargs):
 # kind (terra/tracing/hook.py's unit patches) -> the rule that guards, records or skips the
 # call as one unit (`tape.gradient` comes from the Terra tape itself: `gradient` above)
 UNIT_RULES = {"apply_gradients": _apply_gradients_rule, "layer": _layer_rule,
-              "function": _function_rule}
+              "loss": _loss_rule, "function": _function_rule}
 
 
 def _with_reason(d: Divergence, reason: str) -> Divergence:

@@ -262,6 +262,8 @@ def _unit_table():
                       _wrap_unit("apply_gradients")))
     if "layer" in keras_classes:
         table.append((keras_classes["layer"], "__call__", _wrap_unit("layer")))
+    if "loss" in keras_classes:
+        table.append((keras_classes["loss"], "__call__", _wrap_unit("loss")))
     return table
 
 

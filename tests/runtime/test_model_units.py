@@ -1,7 +1,7 @@
 """A plain `keras.Sequential` or functional `keras.Model` made of built-in layers is one coarse
 unit (terra/runtime/units.py `layer_call`), guarded on the model, its settings and every layer's;
 a subclassed model, or one holding a user-defined layer, is not (its layers are units of their
-own). Each program runs eagerly and under Terra: same losses and variables, bit for bit."""
+own). A built-in Keras loss object's call is a unit too. Each program runs eagerly and under Terra: same losses and variables, bit for bit."""
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -108,7 +108,49 @@ def test_a_model_with_a_user_defined_layer_is_not_a_unit():
     assert len(unit_spans()) > 3  # its built-in layers are units one by one
 
 
-def test_numpy_inputs_keep_per_layer_units():
+def test_numpy_inputs_are_fed_to_the_model_unit():
+    """The array passed straight to the model becomes a feed inside its call; skipping the
+    unit feeds it (a new array each step)."""
     both(lambda: sequential(4), numpy_inputs=True).assert_counts(traces=3, graph_builds=1,
                                                                 fallbacks=0)
-    assert len(unit_spans()) > 3
+    assert len(unit_spans()) == 3
+
+
+def train_with_loss(Tape, steps=8, change=None):
+    model, opt = sequential(5), keras.optimizers.SGD(0.05)
+    loss_fn = keras.losses.MeanSquaredError()
+    rng = np.random.default_rng(2)
+    xs = rng.normal(size=(steps, 8, 4)).astype(np.float32)
+    ys = rng.normal(size=(steps, 8, 1)).astype(np.float32)
+    losses = []
+    for i in range(steps):
+        if change is not None:
+            change(loss_fn, i)
+        with Tape() as tape:
+            loss = loss_fn(ys[i], model(xs[i], training=True))  # NumPy data straight in
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        losses.append(float(loss))
+    return losses, [v.numpy().tolist() for v in model.variables]
+
+
+def test_a_builtin_loss_object_and_a_model_fed_numpy_are_units():
+    eager = train_with_loss(tf.GradientTape)
+    with CompileCounter() as c:
+        got = train_with_loss(tf.TerraGradientTape)
+    assert got == eager, terra.explain()
+    c.assert_counts(traces=3, graph_builds=1, fallbacks=0)
+    assert len(unit_spans()) == 4  # the model, the loss, tape.gradient, apply_gradients
+
+
+def test_changing_a_loss_objects_reduction_is_not_skipped():
+    def change(loss_fn, i):
+        if i == 5:
+            loss_fn.reduction = "sum"
+    eager = train_with_loss(tf.GradientTape, change=change)
+    with CompileCounter() as c:
+        got = train_with_loss(tf.TerraGradientTape, change=change)
+    assert got == eager, terra.explain()
+    c.assert_counts(traces=4, graph_builds=2, fallbacks=1)
+    assert tfp.keras_loss_settings(keras.losses.MeanSquaredError()) is not None
+    assert tfp.keras_loss_settings(object()) is None
