@@ -169,10 +169,12 @@ def _feed_data_inputs(runner, want, guard, flat) -> tuple:
 
 
 def layer_call(session, layer, original, args, kwargs, loss=False):
-    """A built-in Keras layer call, or a call of a plain Sequential or functional model made of
-    built-in layers, as one coarse unit (guarded on the layer object, its plain Python settings
-    and, for a model, each of its layers and theirs, the inputs' producers and plain
-    arguments). User-defined layers and models run op by op: their Python may do anything."""
+    """A built-in Keras layer call, a call of a plain Sequential or functional model made of
+    built-in layers, or (`loss`) of a built-in Keras loss object, as one coarse unit (guarded on
+    the object, its plain Python settings and, for a model, each of its layers and theirs, the
+    inputs' producers and plain arguments; data handed straight to a model or loss is fed when
+    the unit is skipped). User-defined layers and models run op by op: their Python may do
+    anything."""
     it = session.iteration
     if it is None or it.mode not in ("skip", "tracing") or session._layer_depth or \
             not (loss or getattr(layer, "built", False)):
