@@ -686,3 +686,46 @@ def executed_op_types(fn) -> "_collections.Counter":
                         if m:
                             counts[m.group(1)] += 1
     return counts
+
+
+# --- Keras model graphs for terra.pipeline.keras_graph -----------------------------------------
+def is_keras_functional(model) -> bool:
+    """Whether ``model`` runs its functional graph when called (a functional model, or a subclass
+    of one that keeps the functional ``call``)."""
+    from keras.src.models.functional import Functional as _Functional
+    return isinstance(model, _Functional) and type(model).call is _Functional.call
+
+
+def keras_functional_nodes(model) -> list:
+    """The call nodes of a functional model's graph (input nodes left out), in an order where
+    every node follows the nodes producing its inputs: Keras' own ``_nodes_by_depth``, deepest
+    first, the order `Functional._run_through_graph` runs them in."""
+    by_depth = model._nodes_by_depth  # pylint: disable=protected-access
+    return [node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth]
+            if node.operation is not None and not node.is_input]
+
+
+def keras_node_call(node, values: dict, training):
+    """Run one functional-graph node on ``values`` ({id(KerasTensor): tensor}) the way the
+    functional model does (``training`` reaches operations whose call takes it); returns the
+    node's outputs as a flat list."""
+    from keras.src.models import functional as _functional
+    from keras.src import tree as _tree
+    args, kwargs = node.arguments.fill_in(values)
+    outputs = _functional.operation_fn(node.operation, training=training)(*args, **kwargs)
+    return _tree.flatten(outputs)
+
+
+def move_keras_variable(variable, device: str) -> None:
+    """Re-create a Keras variable's backing ``tf.Variable`` on ``device`` with its current value,
+    keeping the Keras object (and so every layer, optimizer and checkpoint reference to it).
+    Keras has no public way to move a built variable; its TF backend keeps the ``tf.Variable`` in
+    ``_value``."""
+    import tensorflow as _tf
+    old = variable._value  # pylint: disable=protected-access
+    if not isinstance(old, _tf.Variable):
+        raise TypeError(f"{variable.path}: expected a tf.Variable behind the Keras variable, got {type(old)}")
+    with _tf.device(device):
+        new = _tf.Variable(old.read_value(), trainable=old.trainable, name=variable.name,
+                           aggregation=old.aggregation, synchronization=old.synchronization)
+    variable._value = new  # pylint: disable=protected-access

@@ -86,3 +86,49 @@ def test_backward_takes_gradients_for_trainable_outputs_only():
     gx, gw = tape.gradient(ref, [x, w])
     np.testing.assert_array_equal(grads[0].numpy(), gx.numpy())
     np.testing.assert_array_equal(grads[1].numpy(), gw.numpy())
+
+
+def test_keras_functional_graph_internals_still_exist():
+    """terra.pipeline.keras_graph walks a functional model with Keras' own node table and runs
+    each node as the model does; fails loudly if Keras renames any of it."""
+    import keras
+    from keras.src.models import functional
+    assert callable(getattr(functional, "operation_fn", None)), "keras moved functional.operation_fn"
+    inp = keras.Input((3,))
+    a = keras.layers.Dense(4, name="a")
+    b = keras.layers.Dropout(0.5, seed=1, name="b")
+    out = keras.layers.Add(name="c")([a(inp), b(a(inp))])
+    model = keras.Model(inp, out)
+    assert _tf_private.is_keras_functional(model)
+    assert not _tf_private.is_keras_functional(keras.layers.Dense(2))
+    nodes = _tf_private.keras_functional_nodes(model)
+    assert [n.operation.name for n in nodes][-1] == "c" and len(nodes) == 4  # a twice, b, c
+    x = tf.ones((2, 3))
+    values = {id(t): x for t in model.inputs}
+    for node in nodes:
+        outs = _tf_private.keras_node_call(node, values, training=True)
+        values.update({id(t): v for t, v in zip(node.outputs, outs)})
+    # training=True reached Dropout: some units are dropped (zero) where the model drops them too.
+    got = values[id(model.outputs[0])].numpy()
+    assert got.shape == (2, 4)
+    ref = model(x, training=False).numpy()
+    assert not np.allclose(got, ref), "training=True did not reach the Dropout node"
+
+
+def test_move_keras_variable_keeps_the_keras_object_and_its_value():
+    import keras
+    cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    kernel = layer.kernel
+    before = kernel.numpy()
+    target = cpus[-1]
+    _tf_private.move_keras_variable(kernel, target)
+    assert layer.kernel is kernel
+    assert kernel.value.device.endswith(target.split("/")[-1])
+    np.testing.assert_array_equal(kernel.numpy(), before)
+    kernel.assign(before + 1)          # writes reach the new tf.Variable
+    np.testing.assert_allclose(layer(tf.ones((1, 3))).numpy(), np.ones((1, 3), "float32") @ (before + 1), rtol=1e-6)
+    opt = keras.optimizers.SGD(1.0)
+    opt.apply_gradients([(tf.ones_like(kernel.value), kernel)])
+    np.testing.assert_allclose(kernel.numpy(), before)

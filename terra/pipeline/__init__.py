@@ -16,8 +16,11 @@ __all__ = ["Action", "Kind", "F", "B", "W", "EVICT", "LOAD", "SEND", "RECV", "Sc
 
 
 def __getattr__(name):
-    """`terra.pipeline.PipelineTrainer` without importing TensorFlow for the pure-data API."""
+    """`terra.pipeline.PipelineTrainer` and `terra.pipeline.pipeline` without importing TensorFlow for the pure-data API."""
     if name == "PipelineTrainer":
         from terra.pipeline.executor import PipelineTrainer
         return PipelineTrainer
+    if name == "pipeline":
+        from terra.pipeline.model_pipeline import pipeline
+        return pipeline
     raise AttributeError(f"module 'terra.pipeline' has no attribute {name!r}")

@@ -90,6 +90,9 @@ class _Part:
         self.is_last = is_last
         self.variables = trainable_variables(self.callables)
         self.owned = list(range(len(self.variables)))
+        trainable = {id(v) for v in self.variables}
+        self.state = list({id(v): v for c in self.callables for v in getattr(c, "non_trainable_variables", [])
+                           if id(v) not in trainable}.values())   # statistics, seed states
         self.fn, self.eval_fn = (self._loss(sequential(self.callables, training), loss_fn)
                                  for training in (True, False))
         self.program: Optional[StageProgram] = None
@@ -101,31 +104,31 @@ class _Part:
         return (lambda x, labels: loss_fn(labels, fn(x))) if self.is_last else fn
 
 
-def _full(name: str) -> str:
+def full_device_name(name: str) -> str:
     """``name`` with the local job, replica and task where it names none (TF's reading)."""
     local = tf.DeviceSpec(job="localhost", replica=0, task=0)
     return local.make_merged_spec(tf.DeviceSpec.from_string(name or "")).to_string()
 
 
-def _same_device(a: str, b: str) -> bool:
+def same_device(a: str, b: str) -> bool:
     """Whether device names ``a`` and ``b`` agree on every field both of them name."""
     a, b = tf.DeviceSpec.from_string(a or ""), tf.DeviceSpec.from_string(b or "")
     return all(getattr(a, f) is None or getattr(b, f) is None or getattr(a, f) == getattr(b, f)
                for f in ("job", "replica", "task", "device_type", "device_index"))
 
 
-def _check_devices(rank_devices) -> None:
+def check_devices(rank_devices) -> None:
     """Every device must exist (locally or on a connected cluster): TF would otherwise place the
     stage silently elsewhere (soft placement) and the plan would not be what runs."""
     known = [d.name for d in tf.config.list_logical_devices()]
-    full = [_full(k) for k in known]
+    full = [full_device_name(k) for k in known]
     for devices in rank_devices:
         for d in devices:
             try:
                 spec = tf.DeviceSpec.from_string(d)
             except (ValueError, TypeError) as e:
                 raise ValueError(f"device {d!r} is not a device name: {e}") from None
-            if spec.device_type is None or not any(_same_device(d, k) for k in full):
+            if spec.device_type is None or not any(same_device(d, k) for k in full):
                 raise ValueError(f"device {d!r} does not exist; devices here: {known}")
 
 
@@ -162,7 +165,7 @@ def _tie(parts) -> list:
     for uses in users.values():
         v = parts[uses[0][0]].variables[uses[0][1]]
         where = _variable_device(v)
-        homes = [(k, i) for k, i in uses if _same_device(_full(where), _full(parts[k].device))]
+        homes = [(k, i) for k, i in uses if same_device(full_device_name(where), full_device_name(parts[k].device))]
         if not homes:
             names = sorted({parts[k].device for k, _ in uses})
             raise ValueError(f"variable {v.name!r} is on {where!r}, but the part(s) using it run on "
@@ -236,7 +239,7 @@ class PipelineTrainer:
         if len(data_parallel_stages) != self.dp - 1:
             raise ValueError(f"{self.dp} data-parallel devices per rank need {self.dp - 1} more copies "
                              f"of the parts in data_parallel_stages, got {len(data_parallel_stages)}")
-        _check_devices(self.rank_devices)
+        check_devices(self.rank_devices)
         self.devices = [d[0] for d in self.rank_devices]
         p = len(self.devices)
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
@@ -346,10 +349,11 @@ class PipelineTrainer:
             vs = [part.variables[i] for part in stages for i in part.owned]
             if self.one_optimizer:
                 opt_vars = [v for v in self.optimizer.variables
-                            if any(_same_device(_variable_device(v), dev) for dev in self.rank_devices[r])]
+                            if any(same_device(_variable_device(v), dev) for dev in self.rank_devices[r])]
             else:
                 opt_vars = [v for part in stages for v in part.optimizer.variables]
-            self.ledger.set_static(r, weights=memory_lib.variable_bytes(vs),
+            state = list({id(v): v for part in stages for v in part.state}.values())
+            self.ledger.set_static(r, weights=memory_lib.variable_bytes(vs) + memory_lib.variable_bytes(state),
                                    optimizer=memory_lib.variable_bytes(opt_vars),
                                    grads=memory_lib.variable_bytes(vs))
         self._built_for = (x_spec, y_spec)

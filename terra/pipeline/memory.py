@@ -1,7 +1,7 @@
 """Memory of a pipeline: a byte ledger driven by the schedule, and real allocator peaks beside it.
 
 The ledger is the source of truth because logical CPUs of one process share one allocator (and a
-cross-device identity there shares the buffer). Per rank it counts weights, optimizer state,
+cross-device identity there shares the buffer). Per rank it counts weights (with the parts' other variables: statistics, seed states), optimizer state,
 gradient accumulators, the activation packs the rank holds for its own stages and the packs it
 accepted from its BPipe partner, with the schedule's semantics (`terra.pipeline.passes`): a pack
 is held from the start of its F step through the end of its B step (of its W step where the

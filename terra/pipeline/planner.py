@@ -1,0 +1,270 @@
+"""Where to cut a model into pipeline parts: the cut that minimizes the slowest part's time while
+every part fits its device's memory, with the schedule's in-flight micro-batches in the memory
+model. Pure data: it reads a `terra.pipeline.profile.Profile` and a `Schedule`, imports no TF.
+
+Memory of part ``s`` (bytes): its weights, their gradient accumulators and ``optimizer_slots``
+optimizer slots per weight (each distinct variable once, charged to the first part using it, where
+the executor keeps it), its other variables, and its saved
+activations per micro-batch times the most micro-batches of ``s`` its rank holds at once under the
+schedule (`simulate(...).peak_stage_microbatches`: ``p - s`` packs for 1F1B, ``m`` for GPipe).
+For one part per rank this is exact in the model's terms. Where a rank runs several parts
+(interleaved, ZB-V) or accepts a BPipe partner's packs, the cut is chosen per part and every rank
+is then checked by simulating the schedule with the parts' bytes (`simulate`), which also gives
+the predicted step time and bubble.
+
+The search is a dynamic program over contiguous cuts of the call order (exact for the bottleneck
+objective), ties broken by fewer bytes crossing cuts.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from terra.pipeline.schedules.base import Schedule
+from terra.pipeline.simulate import Costs, simulate
+
+
+class NoPlan(ValueError):
+    """No cut of the model into the schedule's parts fits the memory budget."""
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    """Part ``index`` runs calls ``start .. stop - 1`` on rank ``rank``."""
+    index: int
+    rank: int
+    start: int
+    stop: int
+    first: str
+    last: str
+    forward: float
+    backward: float
+    static_bytes: int
+    act_bytes: int
+    inflight: int
+    message_bytes: int     # bytes of what it sends to the next part per micro-batch
+
+    @property
+    def time(self) -> float:
+        return self.forward + self.backward
+
+    @property
+    def memory(self) -> int:
+        """Bytes predicted for this part alone: static plus its in-flight packs."""
+        return self.static_bytes + self.act_bytes * self.inflight
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A cut of the model into parts for one schedule, with what the planner predicts."""
+    schedule: str
+    microbatches: int
+    microbatch_size: int
+    unit: str                          # "s" (measured seconds) or "FLOP"
+    parts: tuple
+    budget: Optional[int]
+    rank_peak_bytes: tuple             # simulated per-rank peak (weights, optimizer, packs)
+    step_time: Optional[float]
+    bubble: Optional[float]
+    alternatives: tuple                # (cut index, moved by, resulting bottleneck, fits)
+
+    @property
+    def cuts(self) -> tuple:
+        """Call index where each part after the first starts."""
+        return tuple(p.start for p in self.parts[1:])
+
+    @property
+    def bottleneck(self) -> float:
+        return max(p.time for p in self.parts)
+
+    def _t(self, x) -> str:
+        return f"{x * 1e3:.2f} ms" if self.unit == "s" else f"{x / 1e6:.1f} MFLOP"
+
+    def __str__(self) -> str:
+        rows = [f"Plan({self.schedule}, {len(self.parts)} parts, m={self.microbatches} x "
+                f"{self.microbatch_size}, cuts before calls {list(self.cuts)})",
+                f"{'part':>4} {'rank':>4} {'calls':<34} {'F+B':>12} {'static B':>11} {'pack B':>10} "
+                f"{'packs':>5} {'memory B':>11} {'sends B':>9}"]
+        for p in self.parts:
+            calls = f"{p.start}..{p.stop - 1} {p.first}..{p.last}"
+            rows.append(f"{p.index:>4} {p.rank:>4} {calls[:34]:<34} {self._t(p.time):>12} {p.static_bytes:>11} "
+                        f"{p.act_bytes:>10} {p.inflight:>5} {p.memory:>11} {p.message_bytes:>9}")
+        rows.append(f"rank peaks (simulated): {list(self.rank_peak_bytes)} B"
+                    + (f"; budget {self.budget} B" if self.budget is not None else ""))
+        if self.step_time is not None:
+            rows.append(f"predicted step {self._t(self.step_time)}, bubble {self.bubble:.2f}")
+        return "\n".join(rows)
+
+    def explain(self) -> str:
+        """Why these cuts: the slowest part, what binds, and what moving each cut would do."""
+        slow = max(self.parts, key=lambda p: p.time)
+        lines = [str(self), "",
+                 f"Part {slow.index} ({slow.first}..{slow.last}) is the slowest at {self._t(slow.time)}: "
+                 f"the step cannot run faster than m x that plus the ramp."]
+        if self.budget is not None:
+            tight = max(self.parts, key=lambda p: p.memory)
+            lines.append(f"Memory binds hardest on part {tight.index}: {tight.memory} of {self.budget} B "
+                         f"({tight.inflight} micro-batch packs of {tight.act_bytes} B in flight).")
+        for cut, moved, bottleneck, fits in self.alternatives:
+            what = "over the memory budget" if not fits else f"slowest part {self._t(bottleneck)}"
+            lines.append(f"  moving the cut before call {cut} by {moved:+d}: {what}")
+        return "\n".join(lines)
+
+
+def _costs(profile):
+    """Per call (the loss last): forward and backward cost beyond a call's fixed overhead, the
+    overhead pair, and the unit."""
+    calls = list(profile.calls) + [profile.loss]
+    if profile.measured:
+        of, ob = profile.overhead
+        fwd = [max(0.0, c.forward_s - of) for c in calls]
+        bwd = [max(0.0, c.backward_s - ob) for c in calls]
+        wf, wb = getattr(profile, "whole", (0.0, 0.0))
+        if wf > of and sum(fwd) > 0:   # scale to what the calls cost inside one graph
+            fwd = [f * (wf - of) / sum(fwd) for f in fwd]
+        if wb > ob and sum(bwd) > 0:
+            bwd = [b * (wb - ob) / sum(bwd) for b in bwd]
+        return fwd, bwd, (of, ob), "s"
+    fwd = [float(c.flops) for c in calls]
+    return fwd, [2 * f for f in fwd], (0.0, 0.0), "FLOP"
+
+
+class _Parts:
+    """Costs of any contiguous run of calls ``a .. b - 1`` (the last part includes the loss)."""
+
+    def __init__(self, profile, optimizer_slots: int):
+        self.profile = profile
+        self.n = len(profile.calls)
+        self.fwd, self.bwd, self.overhead, self.unit = _costs(profile)
+        self.slots = optimizer_slots
+        # A variable used by several parts (tied weights) lives with, and is charged to, the
+        # part holding its first user.
+        self.first_use = {}
+        for c in list(profile.calls) + [profile.loss]:
+            for key, _ in c.params:
+                self.first_use.setdefault(key, c.index)
+        self.pf = [0.0]
+        self.pb = [0.0]
+        for f, b in zip(self.fwd, self.bwd):
+            self.pf.append(self.pf[-1] + f)
+            self.pb.append(self.pb[-1] + b)
+
+    def _calls(self, a, b):
+        calls = list(self.profile.calls[a:b])
+        return calls + [self.profile.loss] if b == self.n else calls
+
+    def time(self, a, b) -> tuple:
+        stop = b + 1 if b == self.n else b
+        of, ob = self.overhead
+        return self.pf[stop] - self.pf[a] + of, self.pb[stop] - self.pb[a] + ob
+
+    def memory(self, a, b) -> tuple:
+        """(static bytes, activation bytes per micro-batch)."""
+        params, state, saved, values = {}, 0, 0, set()
+        for c in self._calls(a, b):
+            params.update((key, size) for key, size in c.params if self.first_use[key] >= a)
+            state += c.state_bytes
+            saved += c.saved_bytes
+            values.update(c.saved_values)
+        static = sum(params.values()) * (2 + self.slots) + state
+        return static, saved + sum(self.profile.value_bytes[v] for v in values)
+
+    def message(self, b) -> int:
+        if b >= self.n:
+            return 0
+        return sum(self.profile.value_bytes[v] for v in self.profile.boundaries[b])
+
+
+def _search(parts: _Parts, k: int, inflight: Sequence[int], budget: Optional[int]):
+    """Cuts 0 = c0 < c1 < ... < ck = n minimizing (max part time, bytes crossing cuts)."""
+    n = parts.n
+    if n < k:
+        raise NoPlan(f"the model has {n} calls, fewer than the {k} parts the schedule needs")
+    fits = {}
+
+    def ok(s, a, b):
+        if budget is None:
+            return True
+        key = (s, a, b)
+        if key not in fits:
+            static, act = parts.memory(a, b)
+            fits[key] = static + act * inflight[s] <= budget
+        return fits[key]
+
+    inf = (math.inf, math.inf)
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    back = [[None] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = (0.0, 0)
+    for s in range(1, k + 1):
+        for b in range(s, n - (k - s) + 1):
+            for a in range(s - 1, b):
+                prev = best[s - 1][a]
+                if prev == inf or not ok(s - 1, a, b):
+                    continue
+                t = sum(parts.time(a, b))
+                cand = (max(prev[0], t), prev[1] + (parts.message(b) if b < n else 0))
+                if cand < best[s][b]:
+                    best[s][b], back[s][b] = cand, a
+    if best[k][n] == inf:
+        raise NoPlan(f"no cut of the {n} calls into {k} parts fits {budget} B per part "
+                     f"(in-flight packs per part {list(inflight)}); raise the budget, use more "
+                     f"stages, smaller micro-batches, or BPipe")
+    cuts, b = [n], n
+    for s in range(k, 0, -1):
+        b = back[s][b]
+        cuts.append(b)
+    return cuts[::-1]
+
+
+def plan(profile, schedule: Schedule, *, memory_budget: Optional[int] = None,
+         optimizer_slots: int = 2, cuts: Optional[Sequence[int]] = None) -> Plan:
+    """Cut ``profile``'s calls into ``schedule.pipe_depth`` parts (or take ``cuts``, the call
+    index each part after the first starts at) and predict time and memory."""
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
+                                      or memory_budget <= 0):
+        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+    if schedule.num_stages != schedule.pipe_depth:
+        raise ValueError(f"schedule {schedule.name!r} runs {schedule.num_stages // schedule.pipe_depth} "
+                         f"copies of the model; the planner cuts one (use PipelineTrainer for Chimera)")
+    parts = _Parts(profile, optimizer_slots)
+    k = schedule.pipe_depth
+    inflight = list(simulate(schedule).peak_stage_microbatches.get(s, 0) for s in range(k))
+    if cuts is None:
+        bounds = _search(parts, k, inflight, memory_budget)
+    else:
+        cuts = list(cuts)
+        bounds = [0] + cuts + [parts.n]
+        if len(cuts) != k - 1 or any(a >= b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"cuts must be {k - 1} increasing call indices in 1..{parts.n - 1}, got {cuts}")
+    names = [c.name for c in profile.calls]
+    out = []
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        f, bw = parts.time(a, b)
+        static, act = parts.memory(a, b)
+        out.append(PartPlan(s, schedule.stage_ranks[s], a, b, names[a], names[b - 1], f, bw,
+                            static, act, inflight[s], parts.message(b)))
+    split = bool(schedule.split)
+    costs = Costs(F=[p.forward for p in out], B=[p.backward / 2 if split else p.backward for p in out],
+                  W=[p.backward / 2 if split else 0.0 for p in out])
+    sim = simulate(schedule, act_bytes=[p.act_bytes for p in out], weight_bytes=[p.static_bytes for p in out],
+                   costs=costs)
+    alternatives = []
+    for i in range(1, len(bounds) - 1):
+        for d in (-1, 1):
+            moved = list(bounds)
+            moved[i] += d
+            if not moved[i - 1] < moved[i] < moved[i + 1]:
+                continue
+            times = [sum(parts.time(a, b)) for a, b in zip(moved, moved[1:])]
+            fits = all(memory_budget is None or parts.memory(a, b)[0] + parts.memory(a, b)[1] * inflight[s]
+                       <= memory_budget for s, (a, b) in enumerate(zip(moved, moved[1:])))
+            alternatives.append((bounds[i], d, max(times), fits))
+    peaks = tuple(sim.peak_bytes) if sim.peak_bytes is not None else ()
+    if memory_budget is not None and peaks and max(peaks) > memory_budget:
+        rank = max(range(len(peaks)), key=peaks.__getitem__)
+        raise NoPlan(f"the best cut per part {bounds[1:-1]} needs {peaks[rank]} B on rank {rank} "
+                     f"under {schedule.name} (several parts or accepted packs on one rank), over the "
+                     f"budget of {memory_budget} B")
+    return Plan(schedule.name, schedule.m, profile.microbatch_size, parts.unit, tuple(out), memory_budget,
+                peaks, sim.step_time, sim.bubble, tuple(alternatives))
