@@ -16,43 +16,6 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 
-def gpt(vocab=64, seq=16, d_model=32, heads=2, blocks=4, dropout=0.1, seed=0):
-    """A pre-LN GPT as a functional Keras model; logits come from the token embedding matrix."""
-    import keras
-
-    class PositionEmbedding(keras.layers.Layer):
-        def build(self, shape):
-            self.pos = self.add_weight(shape=(shape[1], shape[2]), initializer=keras.initializers.RandomNormal(0, 0.02, seed))
-
-        def call(self, x):
-            return x + self.pos
-
-    class TiedLogits(keras.layers.Layer):
-        """Logits against the token embedding's matrix (weight tying)."""
-
-        def __init__(self, embedding, **kw):
-            super().__init__(**kw)
-            self.embedding = embedding
-
-        def call(self, x):
-            return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))
-
-    keras.utils.set_random_seed(seed)
-    ids = keras.Input((seq,), dtype="int32")
-    embed = keras.layers.Embedding(vocab, d_model, name="tokens")
-    h = PositionEmbedding(name="positions")(embed(ids))
-    for b in range(blocks):
-        a = keras.layers.LayerNormalization(epsilon=1e-5, name=f"ln{b}a")(h)
-        a = keras.layers.MultiHeadAttention(heads, d_model // heads, name=f"attn{b}")(a, a, use_causal_mask=True)
-        h = keras.layers.Add(name=f"res{b}a")([h, keras.layers.Dropout(dropout, seed=seed + b, name=f"drop{b}a")(a)])
-        f = keras.layers.LayerNormalization(epsilon=1e-5, name=f"ln{b}b")(h)
-        f = keras.layers.Dense(4 * d_model, activation="gelu", name=f"fc{b}")(f)
-        f = keras.layers.Dense(d_model, name=f"proj{b}")(f)
-        h = keras.layers.Add(name=f"res{b}b")([h, keras.layers.Dropout(dropout, seed=seed + 50 + b, name=f"drop{b}b")(f)])
-    h = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_final")(h)
-    return keras.Model(ids, TiedLogits(embed, name="logits")(h), name="gpt")
-
-
 def single_device_step(model, optimizer, loss, x, y, m):
     """One device, the same micro-batches in the same order, gradients of the mean accumulated."""
     total, losses = None, []
@@ -86,9 +49,10 @@ def main():
 
     import keras
     import terra.pipeline as tp
+    from terra.pipeline.models import keras_gpt
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model, reference = (gpt(blocks=args.blocks, d_model=args.d_model) for _ in range(2))
+    model, reference = (keras_gpt(blocks=args.blocks, d_model=args.d_model) for _ in range(2))
     trainer = tp.pipeline(model, loss, keras.optimizers.Adam(args.lr), stages=args.stages,
                           schedule=args.schedule, balance=args.balance, microbatches=args.microbatches,
                           memory_budget=args.memory_budget)

@@ -729,3 +729,9 @@ def move_keras_variable(variable, device: str) -> None:
         new = _tf.Variable(old.read_value(), trainable=old.trainable, name=variable.name,
                            aggregation=old.aggregation, synchronization=old.synchronization)
     variable._value = new  # pylint: disable=protected-access
+
+
+def wait_for_devices() -> None:
+    """Block until every op dispatched so far has run, on GPUs and on remote workers too (remote
+    function calls return when dispatched): what a timing must wait for."""
+    _context.context().sync_executors()

@@ -132,3 +132,12 @@ def test_move_keras_variable_keeps_the_keras_object_and_its_value():
     opt = keras.optimizers.SGD(1.0)
     opt.apply_gradients([(tf.ones_like(kernel.value), kernel)])
     np.testing.assert_allclose(kernel.numpy(), before)
+
+
+def test_wait_for_devices_returns_after_pending_work():
+    x = tf.random.normal((64, 64))
+    y = tf.matmul(x, x)
+    _tf_private.wait_for_devices()
+    assert y.shape == (64, 64)
+    from tensorflow.python.eager import context
+    assert callable(getattr(context.context(), "sync_executors", None)), "TF renamed Context.sync_executors"

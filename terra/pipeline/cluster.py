@@ -18,7 +18,9 @@ start) and give the client the same spec (see docs/pipeline_executor.md).
 Usage: ``python -m terra.pipeline.cluster demo --workers 4`` runs 1F1B and BPipe on 4 local
 workers (inside ``unshare -rn``) and prints a JSON report (gradient errors vs single device,
 ledger and allocator peaks per worker); ``--schedules zb-h1,zb-v`` runs the zero-bubble schedules
-(ZB-V cuts the model into 2 x workers parts, two per worker).
+(ZB-V cuts the model into 2 x workers parts, two per worker). ``python -m terra.pipeline.cluster
+keras`` hands a plain-Keras GPT to `terra.pipeline.pipeline` and reports the plan's predicted peak
+bytes and part times beside the workers' allocator peaks and the measured times.
 """
 from __future__ import annotations
 
@@ -267,6 +269,45 @@ def demo(workers: int, microbatches: int, seq: int, d_model: int, mb_size: int, 
     return report
 
 
+def keras_demo(workers: int, microbatches: int, mb_size: int, d_model: int, blocks: int,
+               schedule: str = "1f1b", steps: int = 2) -> dict:
+    """A plain-Keras GPT handed to `terra.pipeline.pipeline` on local workers: the plan's
+    predicted per-worker peak bytes and part times beside the workers' allocator peaks, the
+    executor's ledger and the parts' measured times."""
+    import numpy as np
+    import keras
+    import terra.pipeline as tp
+    from terra.pipeline.models import keras_gpt
+
+    rng = np.random.default_rng(0)
+    b = microbatches * mb_size
+    x = rng.integers(0, 64, (b, 16)).astype("int32")
+    y = (x + 1) % 64
+    with LocalCluster(workers) as cluster:
+        model = keras_gpt(d_model=d_model, blocks=blocks)
+        trainer = tp.pipeline(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                              keras.optimizers.Adam(1e-3), devices=cluster.devices, schedule=schedule,
+                              microbatches=microbatches)
+        losses = [trainer.step(x, y) for _ in range(steps)]   # the first builds and warms up
+        trainer.trainer.ledger.reset_peaks()
+        cluster.reset_peaks()
+        base = [cluster.allocator(i)["current"] for i in range(workers)]
+        losses.append(trainer.step(x, y))
+        mem = trainer.memory_report(allocator=cluster.allocator)
+        checks = trainer.check()
+        plan = trainer.plan
+        report = {"workers": workers, "schedule": schedule, "losses": losses, "plan": str(plan),
+                  "ranks": []}
+        for r, m in enumerate(mem):
+            peak, predicted = m["allocator"]["peak"], plan.rank_peak_bytes[r]
+            report["ranks"].append({
+                "predicted_peak": predicted, "ledger_peak": m["peak_total"], "allocator_peak": peak,
+                "allocator_base": base[r], "peak_error": (predicted - peak) / peak})
+        report["parts"] = [{k: v for k, v in row.items() if not k.startswith("rank_peak")} for row in checks]
+        trainer.close()
+    return report
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m terra.pipeline.cluster")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -285,6 +326,14 @@ def main(argv=None):
     d.add_argument("--schedules", default="1f1b,1f1b+bpipe",
                    help="comma-separated runs: schedule[+bpipe][+sync] (sync: no transfer overlap)")
     d.add_argument("--repeats", type=int, default=1)
+    k = sub.add_parser("keras", help="a plain-Keras GPT cut by terra.pipeline.pipeline: predicted "
+                                     "against measured memory and time per worker")
+    k.add_argument("--workers", type=int, default=4)
+    k.add_argument("--microbatches", type=int, default=8)
+    k.add_argument("--mb-size", type=int, default=8)
+    k.add_argument("--d-model", type=int, default=128)
+    k.add_argument("--blocks", type=int, default=4)
+    k.add_argument("--schedule", default="1f1b")
     args = parser.parse_args(argv)
     if args.cmd == "worker":
         if not loopback_only() and not args.listen_all_interfaces:
@@ -293,6 +342,9 @@ def main(argv=None):
                          "(`unshare -rn`, as LocalCluster and run_isolated do), or pass "
                          "--listen-all-interfaces on a host whose port is firewalled")
         worker_main(json.loads(args.spec), args.task)
+    elif args.cmd == "keras":
+        print(json.dumps(keras_demo(args.workers, args.microbatches, args.mb_size, args.d_model,
+                                    args.blocks, args.schedule)), flush=True)
     else:
         print(json.dumps(demo(args.workers, args.microbatches, args.seq, args.d_model,
                               args.mb_size, args.schedules.split(","), args.repeats)), flush=True)

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
+from terra import _tf_private
 from terra.pipeline.keras_graph import LayerGraph
 from terra.pipeline.stage import StageProgram
 
@@ -152,12 +153,6 @@ def forward_flops(graph) -> int:
 
 
 # ---------------------------------------------------------------------------------- profile
-def _sync():
-    sync = getattr(getattr(tf.test, "experimental", None), "sync_devices", None)
-    if sync is not None and tf.config.list_logical_devices("GPU"):
-        sync()
-
-
 WARMUP = 3   # runs before timing: kernel caches and allocations settle over the first few
 
 
@@ -168,7 +163,7 @@ def _median_seconds(fn, repeats):
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        _sync()
+        _tf_private.wait_for_devices()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
