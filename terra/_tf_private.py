@@ -735,3 +735,24 @@ def wait_for_devices() -> None:
     """Block until every op dispatched so far has run, on GPUs and on remote workers too (remote
     function calls return when dispatched): what a timing must wait for."""
     _context.context().sync_executors()
+
+
+def place_updates_with_variables(optimizer) -> None:
+    """Make ``optimizer`` (the innermost one of a wrapper such as ``LossScaleOptimizer``) run each
+    variable's update on that variable's device. Keras' TF backend applies every update inside
+    the caller's device scope, so one optimizer over variables on several devices would copy every
+    gradient to one device and do all the arithmetic there. Patches the instance's
+    ``update_step``, the per-variable hook Keras calls."""
+    import tensorflow as _tf
+    inner = optimizer
+    while hasattr(inner, "inner_optimizer"):
+        inner = inner.inner_optimizer
+    if getattr(inner, "_terra_placed_updates", False):
+        return
+    step = inner.update_step
+
+    def update_step(gradient, variable, learning_rate):
+        with _tf.device(variable.device):
+            return step(gradient, variable, learning_rate)
+    inner.update_step = update_step
+    inner._terra_placed_updates = True

@@ -141,3 +141,38 @@ def test_wait_for_devices_returns_after_pending_work():
     assert y.shape == (64, 64)
     from tensorflow.python.eager import context
     assert callable(getattr(context.context(), "sync_executors", None)), "TF renamed Context.sync_executors"
+
+
+def test_place_updates_with_variables_runs_each_update_on_its_variables_device():
+    """One optimizer over variables on two devices: Keras would run every update under the
+    caller's device scope; patched, each update's arithmetic carries its variable's device, and
+    the values are the same."""
+    import keras
+    cpus = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+    values = []
+    for patch in (False, True):
+        with tf.device(cpus[0]):
+            a = keras.Variable(np.ones((3,), "float32"))
+        with tf.device(cpus[1]):
+            b = keras.Variable(np.full((3,), 2.0, "float32"))
+        opt = keras.optimizers.Adam(0.1)
+        with tf.device(cpus[0]):
+            opt.build([a, b])
+        if patch:
+            _tf_private.place_updates_with_variables(opt)
+            _tf_private.place_updates_with_variables(opt)   # idempotent
+
+        @tf.function(autograph=False)
+        def apply(ga, gb):
+            opt.apply_gradients([(ga, a), (gb, b)])
+        with tf.device(cpus[0]):
+            apply(tf.ones(3), tf.ones(3))
+        graph = apply.get_concrete_function(tf.TensorSpec((3,)), tf.TensorSpec((3,))).graph
+        sqrt_devices = sorted(op.device.rsplit("/", 1)[-1] for op in graph.get_operations() if op.type == "Sqrt")
+        names = [c.rsplit("/", 1)[-1] for c in cpus]
+        # Adam takes two square roots per variable: with b's on CPU:1 once patched.
+        # Unpatched they carry no device: they run wherever the apply call runs.
+        assert sqrt_devices == (sorted(names * 2) if patch else [""] * 4), sqrt_devices
+        values.append((a.numpy(), b.numpy()))
+    np.testing.assert_array_equal(values[0][0], values[1][0])
+    np.testing.assert_array_equal(values[0][1], values[1][1])

@@ -126,6 +126,12 @@ class LocalCluster:
         for i in range(self.num_workers):
             self._ask(i, "reset")
 
+    def probe(self, task: int):
+        """Worker ``task``'s allocator as a `memory.AllocatorProbe` (what the profile measures
+        temporaries with)."""
+        from terra.pipeline.memory import AllocatorProbe
+        return AllocatorProbe(lambda: self._ask(task, "reset"), lambda: self.allocator(task))
+
     def close(self):
         for proc in self.procs:
             if proc.poll() is None:
@@ -271,9 +277,10 @@ def demo(workers: int, microbatches: int, seq: int, d_model: int, mb_size: int, 
 
 def keras_demo(workers: int, microbatches: int, mb_size: int, d_model: int, blocks: int,
                schedule: str = "1f1b", steps: int = 2) -> dict:
-    """A plain-Keras GPT handed to `terra.pipeline.pipeline` on local workers: the plan's
-    predicted per-worker peak bytes and part times beside the workers' allocator peaks, the
-    executor's ledger and the parts' measured times."""
+    """A plain-Keras GPT handed to `terra.pipeline.pipeline` on local workers (profiled on worker
+    0, its allocator measuring temporaries): the plan's predicted per-worker peak bytes and part
+    times beside the workers' allocator peaks, the executor's ledger and the parts' measured
+    times."""
     import numpy as np
     import keras
     import terra.pipeline as tp
@@ -287,7 +294,7 @@ def keras_demo(workers: int, microbatches: int, mb_size: int, d_model: int, bloc
         model = keras_gpt(d_model=d_model, blocks=blocks)
         trainer = tp.pipeline(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                               keras.optimizers.Adam(1e-3), devices=cluster.devices, schedule=schedule,
-                              microbatches=microbatches)
+                              microbatches=microbatches, memory_probe=cluster.probe(0))
         losses = [trainer.step(x, y) for _ in range(steps)]   # the first builds and warms up
         trainer.trainer.ledger.reset_peaks()
         cluster.reset_peaks()
@@ -299,10 +306,11 @@ def keras_demo(workers: int, microbatches: int, mb_size: int, d_model: int, bloc
         report = {"workers": workers, "schedule": schedule, "losses": losses, "plan": str(plan),
                   "ranks": []}
         for r, m in enumerate(mem):
-            peak, predicted = m["allocator"]["peak"], plan.rank_peak_bytes[r]
+            peak, predicted = m["allocator"]["peak"], plan.rank_total_bytes[r]
             report["ranks"].append({
-                "predicted_peak": predicted, "ledger_peak": m["peak_total"], "allocator_peak": peak,
-                "allocator_base": base[r], "peak_error": (predicted - peak) / peak})
+                "predicted_ledger_peak": plan.rank_peak_bytes[r], "ledger_peak": m["peak_total"],
+                "predicted_peak": predicted, "allocator_peak": peak, "allocator_base": base[r],
+                "peak_error": (predicted - peak) / peak})
         report["parts"] = [{k: v for k, v in row.items() if not k.startswith("rank_peak")} for row in checks]
         trainer.close()
     return report

@@ -26,6 +26,8 @@ from typing import Callable, Optional, Sequence
 import keras
 import tensorflow as tf
 
+from terra import _tf_private
+
 from terra.pipeline import memory as memory_lib
 from terra.pipeline import transport
 from terra.pipeline.actions import B, EVICT, F, LOAD, RECV, SEND, W
@@ -336,6 +338,8 @@ class PipelineTrainer:
             with tf.device(self.devices[0]):  # Keras colocates each slot with its variable
                 self.optimizer = self.optimizer_factory()
                 self.optimizer.build(owned)
+            # Each update runs where its variable lives: no gradient travels to devices[0].
+            _tf_private.place_updates_with_variables(self.optimizer)
             self._apply_all = _compiled_apply(self.optimizer, owned)
         # One loss scale seeds every stage's backward, so it must belong to one optimizer.
         self._loss_scaler = self.optimizer if self.one_optimizer else self.parts[-1].optimizer

@@ -163,3 +163,19 @@ def reset_allocator_peak(device: str) -> bool:
         return True
     except (ValueError, RuntimeError, tf.errors.OpError):
         return False
+
+
+class AllocatorProbe:
+    """Reads one allocator: ``reset()`` starts a new peak, ``read()`` is ``{'current', 'peak'}``
+    bytes. `local_probe` makes one for a device of this process; a cluster hands out its
+    workers' (`LocalCluster.probe`)."""
+
+    def __init__(self, reset, read):
+        self.reset, self.read = reset, read
+
+
+def local_probe(device: str) -> Optional[AllocatorProbe]:
+    """A probe of ``device``'s allocator, or None where TF keeps no stats for it."""
+    if allocator_info(device) is None:
+        return None
+    return AllocatorProbe(lambda: reset_allocator_peak(device), lambda: allocator_info(device))

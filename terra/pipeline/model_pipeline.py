@@ -69,7 +69,7 @@ class ModelPipeline:
     def __init__(self, model, loss, optimizer, *, stages: Optional[int], devices: Optional[Sequence[str]],
                  schedule: str, balance: Optional[str], microbatches: int, memory_budget: Optional[int],
                  example_batch: Optional[tuple], cuts: Optional[Sequence[int]], measure: bool,
-                 timeout: float, schedule_options: dict):
+                 timeout: float, schedule_options: dict, memory_probe=None):
         if not isinstance(schedule, str) or schedule not in PLANNED_SCHEDULES:
             raise ValueError(f"schedule must be one of {list(PLANNED_SCHEDULES)}, got {schedule!r}"
                              + (" (Chimera runs two model copies: use PipelineTrainer)" if schedule == "chimera" else ""))
@@ -99,6 +99,7 @@ class ModelPipeline:
         self.memory_budget = memory_budget
         self.cuts = None if cuts is None else list(cuts)
         self.measure = measure
+        self.memory_probe = memory_probe
         self.timeout = timeout
         self.profile: Optional[profile_lib.Profile] = None
         self._plan: Optional[planner_lib.Plan] = None
@@ -128,7 +129,7 @@ class ModelPipeline:
     def _prepare_for(self, x, y):
         x_spec, y_spec = self._specs(x, y)
         self.profile = profile_lib.profile(self.graph, self.loss_fn, x_spec, y_spec, device=self.devices[0],
-                                           measure=self.measure)
+                                           measure=self.measure, probe=self.memory_probe)
         self._plan = planner_lib.plan(self.profile, self.schedule, memory_budget=self.memory_budget,
                                       optimizer_slots=_optimizer_slots(self.optimizer), cuts=self.cuts)
         self.segments = [self.graph.segment(p.start, p.stop) for p in self._plan.parts]
@@ -176,8 +177,9 @@ class ModelPipeline:
     def check(self, repeats: int = 5) -> list[dict]:
         """The plan's predictions beside measurement, per part: pack bytes (the built stage's
         saved activations), forward and backward seconds (the part's compiled pair run alone on
-        its device, median of ``repeats``), and the rank's peak bytes in the executor's ledger
-        after the steps run so far. ``*_error`` is (predicted - measured) / measured."""
+        its device, median of ``repeats``), the rank's peak bytes in the executor's ledger after
+        the steps run so far (beside the plan's peak in the same terms), and where the device
+        keeps allocator stats its allocator peak (beside the plan's total with temporaries). ``*_error`` is (predicted - measured) / measured."""
         if self.trainer is None or self.trainer._built_for is None:
             raise RuntimeError("check() needs one step first: the parts are built at the first step")
         ledger = self.trainer.memory_report()
@@ -206,8 +208,11 @@ class ModelPipeline:
                 row["backward_s"] = _median(lambda: program.backward(pack, grad), repeats)
                 row["forward_s_predicted"], row["backward_s_predicted"] = part.forward, part.backward
             rank = ledger[part.rank]
-            row["rank_peak_bytes"] = rank["peak_total"]
+            row["rank_peak_bytes"] = rank["peak_total"]     # the ledger's terms: no temporaries
             row["rank_peak_bytes_predicted"] = self.plan.rank_peak_bytes[part.rank]
+            row["rank_total_bytes_predicted"] = self.plan.rank_total_bytes[part.rank]
+            if rank.get("allocator"):
+                row["allocator_peak_bytes"] = rank["allocator"]["peak"]
             for key in ("pack_bytes", "forward_s", "backward_s", "rank_peak_bytes"):
                 if key in row and row[key]:
                     row[key + "_error"] = (row[key + "_predicted"] - row[key]) / row[key]
@@ -223,7 +228,7 @@ def pipeline(model, loss, optimizer, stages: Optional[int] = None, devices: Opti
              schedule: str = "1f1b", balance: Optional[str] = None, microbatches: int = 4, *,
              memory_budget: Optional[int] = None, example_batch: Optional[tuple] = None,
              cuts: Optional[Sequence[int]] = None, measure: bool = True, timeout: float = 120.0,
-             **schedule_options) -> ModelPipeline:
+             memory_probe=None, **schedule_options) -> ModelPipeline:
     """Train ``model`` (a ``keras.Sequential``, a functional model, or a list of blocks applied in
     order) with pipeline ``schedule`` over ``stages`` ranks.
 
@@ -235,7 +240,8 @@ def pipeline(model, loss, optimizer, stages: Optional[int] = None, devices: Opti
     ``memory_budget``: bytes per device the plan must fit. ``example_batch``: an ``(x, y)`` batch
     of the size every step will have, to plan now rather than at the first step. ``cuts``: the call index where each part
     after the first starts, instead of the planner's. ``measure=False`` plans on FLOPs instead of
-    measured times. ``schedule_options``: ``v`` for interleaved, ``k`` for kFkB.
+    measured times. ``memory_probe``: the first device's allocator (`memory.AllocatorProbe`;
+    default: its own where TF keeps stats, as on GPUs) to measure each backward's temporaries. ``schedule_options``: ``v`` for interleaved, ``k`` for kFkB.
 
     The model's variables move to the devices of the parts that use them (a variable shared by
     parts lives with the first). Returns a `ModelPipeline`: ``step(x, y)``, ``evaluate(x, y)``,
@@ -244,4 +250,4 @@ def pipeline(model, loss, optimizer, stages: Optional[int] = None, devices: Opti
     return ModelPipeline(model, loss, optimizer, stages=stages, devices=devices, schedule=schedule,
                          balance=balance, microbatches=microbatches, memory_budget=memory_budget,
                          example_batch=example_batch, cuts=cuts, measure=measure, timeout=timeout,
-                         schedule_options=schedule_options)
+                         schedule_options=schedule_options, memory_probe=memory_probe)

@@ -7,7 +7,11 @@ optimizer slots per weight (each distinct variable once, charged to the first pa
 the executor keeps it), its other variables, and its saved
 activations per micro-batch times the most micro-batches of ``s`` its rank holds at once under the
 schedule (`simulate(...).peak_stage_microbatches`: ``p - s`` packs for 1F1B, ``m`` for GPipe).
-For one part per rank this is exact in the model's terms. Where a rank runs several parts
+Temporaries: the part's new gradients and the accumulation's new sum (twice its weights), plus
+the largest backward working set among its calls where the profile measured one with an
+allocator (`CallProfile.temp_bytes`: on GPUs, on cluster workers); without an allocator only the
+first term is known, and the plan says so. For one part per rank this is exact in the ledger's
+terms (weights, optimizer, gradients, packs); temporaries are an estimate. Where a rank runs several parts
 (interleaved, ZB-V) or accepts a BPipe partner's packs, the cut is chosen per part and every rank
 is then checked by simulating the schedule with the parts' bytes (`simulate`), which also gives
 the predicted step time and bubble.
@@ -44,6 +48,7 @@ class PartPlan:
     act_bytes: int
     inflight: int
     message_bytes: int     # bytes of what it sends to the next part per micro-batch
+    temp_bytes: int = 0    # temporaries at its backward's peak (see the module docstring)
 
     @property
     def time(self) -> float:
@@ -51,8 +56,8 @@ class PartPlan:
 
     @property
     def memory(self) -> int:
-        """Bytes predicted for this part alone: static plus its in-flight packs."""
-        return self.static_bytes + self.act_bytes * self.inflight
+        """Bytes predicted for this part alone: static, its in-flight packs, temporaries."""
+        return self.static_bytes + self.act_bytes * self.inflight + self.temp_bytes
 
 
 @dataclass(frozen=True)
@@ -64,11 +69,17 @@ class Plan:
     unit: str                          # "s" (measured seconds) or "FLOP"
     parts: tuple
     budget: Optional[int]
-    rank_peak_bytes: tuple             # simulated per-rank peak (weights, optimizer, packs)
+    rank_peak_bytes: tuple             # simulated per-rank peak of the ledger's terms (weights, optimizer, packs)
     step_time: Optional[float]
     bubble: Optional[float]
     alternatives: tuple                # (cut index, moved by, resulting bottleneck, fits)
+    rank_temp_bytes: tuple = ()        # per rank: the largest temporaries of its parts
+    temps_measured: bool = False       # backward working sets measured (else only accumulation)
 
+    @property
+    def rank_total_bytes(self) -> tuple:
+        """Per rank: what its allocator should peak at (ledger terms plus temporaries)."""
+        return tuple(a + b for a, b in zip(self.rank_peak_bytes, self.rank_temp_bytes or (0,) * len(self.rank_peak_bytes)))
     @property
     def cuts(self) -> tuple:
         """Call index where each part after the first starts."""
@@ -85,13 +96,14 @@ class Plan:
         rows = [f"Plan({self.schedule}, {len(self.parts)} parts, m={self.microbatches} x "
                 f"{self.microbatch_size}, cuts before calls {list(self.cuts)})",
                 f"{'part':>4} {'rank':>4} {'calls':<34} {'F+B':>12} {'static B':>11} {'pack B':>10} "
-                f"{'packs':>5} {'memory B':>11} {'sends B':>9}"]
+                f"{'packs':>5} {'temp B':>10} {'memory B':>11} {'sends B':>9}"]
         for p in self.parts:
             calls = f"{p.start}..{p.stop - 1} {p.first}..{p.last}"
             rows.append(f"{p.index:>4} {p.rank:>4} {calls[:34]:<34} {self._t(p.time):>12} {p.static_bytes:>11} "
-                        f"{p.act_bytes:>10} {p.inflight:>5} {p.memory:>11} {p.message_bytes:>9}")
-        rows.append(f"rank peaks (simulated): {list(self.rank_peak_bytes)} B"
-                    + (f"; budget {self.budget} B" if self.budget is not None else ""))
+                        f"{p.act_bytes:>10} {p.inflight:>5} {p.temp_bytes:>10} {p.memory:>11} {p.message_bytes:>9}")
+        rows.append(f"rank peaks (simulated, with temporaries): {list(self.rank_total_bytes)} B"
+                    + (f"; budget {self.budget} B" if self.budget is not None else "")
+                    + ("" if self.temps_measured else " (backward working sets not measured on this device)"))
         if self.step_time is not None:
             rows.append(f"predicted step {self._t(self.step_time)}, bubble {self.bubble:.2f}")
         return "\n".join(rows)
@@ -160,15 +172,21 @@ class _Parts:
         return self.pf[stop] - self.pf[a] + of, self.pb[stop] - self.pb[a] + ob
 
     def memory(self, a, b) -> tuple:
-        """(static bytes, activation bytes per micro-batch)."""
-        params, state, saved, values = {}, 0, 0, set()
+        """(static bytes, activation bytes per micro-batch, temporaries)."""
+        params, state, saved, values, work = {}, 0, 0, set(), 0
         for c in self._calls(a, b):
             params.update((key, size) for key, size in c.params if self.first_use[key] >= a)
             state += c.state_bytes
             saved += c.saved_bytes
             values.update(c.saved_values)
-        static = sum(params.values()) * (2 + self.slots) + state
-        return static, saved + sum(self.profile.value_bytes[v] for v in values)
+            work = max(work, getattr(c, "temp_bytes", 0))
+        weights = sum(params.values())
+        static = weights * (2 + self.slots) + state
+        return static, saved + sum(self.profile.value_bytes[v] for v in values), work + 2 * weights
+
+    def fits(self, s, a, b, inflight, budget) -> bool:
+        static, act, temp = self.memory(a, b)
+        return budget is None or static + act * inflight[s] + temp <= budget
 
     def message(self, b) -> int:
         if b >= self.n:
@@ -188,8 +206,7 @@ def _search(parts: _Parts, k: int, inflight: Sequence[int], budget: Optional[int
             return True
         key = (s, a, b)
         if key not in fits:
-            static, act = parts.memory(a, b)
-            fits[key] = static + act * inflight[s] <= budget
+            fits[key] = parts.fits(s, a, b, inflight, budget)
         return fits[key]
 
     inf = (math.inf, math.inf)
@@ -241,9 +258,9 @@ def plan(profile, schedule: Schedule, *, memory_budget: Optional[int] = None,
     out = []
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         f, bw = parts.time(a, b)
-        static, act = parts.memory(a, b)
+        static, act, temp = parts.memory(a, b)
         out.append(PartPlan(s, schedule.stage_ranks[s], a, b, names[a], names[b - 1], f, bw,
-                            static, act, inflight[s], parts.message(b)))
+                            static, act, inflight[s], parts.message(b), temp))
     split = bool(schedule.split)
     costs = Costs(F=[p.forward for p in out], B=[p.backward / 2 if split else p.backward for p in out],
                   W=[p.backward / 2 if split else 0.0 for p in out])
@@ -257,14 +274,16 @@ def plan(profile, schedule: Schedule, *, memory_budget: Optional[int] = None,
             if not moved[i - 1] < moved[i] < moved[i + 1]:
                 continue
             times = [sum(parts.time(a, b)) for a, b in zip(moved, moved[1:])]
-            fits = all(memory_budget is None or parts.memory(a, b)[0] + parts.memory(a, b)[1] * inflight[s]
-                       <= memory_budget for s, (a, b) in enumerate(zip(moved, moved[1:])))
+            fits = all(parts.fits(s, a, b, inflight, memory_budget) for s, (a, b) in enumerate(zip(moved, moved[1:])))
             alternatives.append((bounds[i], d, max(times), fits))
     peaks = tuple(sim.peak_bytes) if sim.peak_bytes is not None else ()
-    if memory_budget is not None and peaks and max(peaks) > memory_budget:
-        rank = max(range(len(peaks)), key=peaks.__getitem__)
-        raise NoPlan(f"the best cut per part {bounds[1:-1]} needs {peaks[rank]} B on rank {rank} "
+    temps = tuple(max((p.temp_bytes for p in out if p.rank == r), default=0) for r in range(schedule.p))
+    totals = [a + b for a, b in zip(peaks, temps)]
+    if memory_budget is not None and totals and max(totals) > memory_budget:
+        rank = max(range(len(totals)), key=totals.__getitem__)
+        raise NoPlan(f"the best cut per part {bounds[1:-1]} needs {totals[rank]} B on rank {rank} "
                      f"under {schedule.name} (several parts or accepted packs on one rank), over the "
                      f"budget of {memory_budget} B")
     return Plan(schedule.name, schedule.m, profile.microbatch_size, parts.unit, tuple(out), memory_budget,
-                peaks, sim.step_time, sim.bubble, tuple(alternatives))
+                peaks, sim.step_time, sim.bubble, tuple(alternatives), temps,
+                bool(getattr(profile, "temps_measured", False)))

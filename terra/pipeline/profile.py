@@ -49,6 +49,7 @@ class CallProfile:
     flops: int
     forward_s: float
     backward_s: float
+    temp_bytes: int = 0        # the backward's allocator peak above what was live before it
 
     @property
     def param_bytes(self) -> int:
@@ -68,6 +69,7 @@ class Profile:
     measured: bool = True      # times measured; else only FLOPs are known
     overhead: tuple = (0.0, 0.0)   # seconds of one forward / backward call doing nothing
     whole: tuple = (0.0, 0.0)      # seconds of the whole model's forward / backward (with the loss)
+    temps_measured: bool = False   # temp_bytes come from an allocator (else they are 0: unknown)
 
     def table(self) -> str:
         rows = [f"profile of {self.graph_name} at micro-batch size {self.microbatch_size}",
@@ -168,8 +170,21 @@ def _median_seconds(fn, repeats):
     return statistics.median(times)
 
 
+def _backward_peak(program, pack, grad, probe) -> int:
+    """Bytes the backward allocates at its peak above what was live before it (its results
+    included: they are what the executor keeps or sends)."""
+    _tf_private.wait_for_devices()
+    probe.reset()
+    before = probe.read()["current"]
+    result = program.backward(pack, grad)
+    _tf_private.wait_for_devices()
+    peak = probe.read()["peak"]
+    del result
+    return max(0, int(peak) - int(before))
+
+
 def _profile_program(index, name, program, in_values, out_values, variables, state_bytes,
-                     x, labels, measure, repeats) -> CallProfile:
+                     x, labels, measure, repeats, probe=None) -> CallProfile:
     pair = program._pair  # the same pair the executor runs
     graph = pair.forward_graph
     outs = graph.outputs
@@ -190,14 +205,18 @@ def _profile_program(index, name, program, in_values, out_values, variables, sta
         else:
             saved_bytes += _nbytes(t)
     fwd_s = bwd_s = 0.0
-    if measure:
+    temp = 0
+    if measure or probe is not None:
         out, pack = program.forward(x, labels)
         grad = tf.nest.map_structure(tf.ones_like, out)
+    if measure:
         fwd_s = _median_seconds(lambda: program.forward(x, labels), repeats)
         bwd_s = _median_seconds(lambda: program.backward(pack, grad), repeats)
+    if probe is not None:
+        temp = _backward_peak(program, pack, grad, probe)
     params = tuple((id(v), int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size) for v in variables)
     return CallProfile(index, name, params, state_bytes, saved_bytes, tuple(sorted(saved_values)),
-                       forward_flops(graph), fwd_s, bwd_s)
+                       forward_flops(graph), fwd_s, bwd_s, temp)
 
 
 def _zeros(spec):
@@ -205,19 +224,24 @@ def _zeros(spec):
 
 
 def profile(graph: LayerGraph, loss_fn: Callable, x_spec, y_spec, *, device: Optional[str] = None,
-            measure: bool = True, repeats: int = 5) -> Profile:
+            measure: bool = True, repeats: int = 5, probe=None) -> Profile:
     """Profile every call of ``graph`` and the loss for one micro-batch of specs ``x_spec`` /
-    ``y_spec`` on ``device`` (times only where ``measure``). The model's variables are as before."""
+    ``y_spec`` on ``device`` (times only where ``measure``). ``probe``: an allocator probe of
+    ``device`` (`memory.AllocatorProbe`; default: the device's own where TF keeps stats) to
+    measure each backward's temporaries. The model's variables are as before."""
+    from terra.pipeline import memory as memory_lib
+    if probe is None and device is not None:
+        probe = memory_lib.local_probe(device)
     every = graph.segment(0, len(graph)).variables
     saved = [v.numpy() for v in every]
     try:
-        return _profile(graph, loss_fn, x_spec, y_spec, device, measure, repeats)
+        return _profile(graph, loss_fn, x_spec, y_spec, device, measure, repeats, probe)
     finally:
         for v, value in zip(every, saved):
             v.assign(value)
 
 
-def _profile(graph, loss_fn, x_spec, y_spec, device, measure, repeats) -> Profile:
+def _profile(graph, loss_fn, x_spec, y_spec, device, measure, repeats, probe) -> Profile:
     with tf.device(device):
         specs = value_specs(graph, x_spec)
     value_bytes = {k: _nbytes(s) for k, s in specs.items()}
@@ -236,7 +260,7 @@ def _profile(graph, loss_fn, x_spec, y_spec, device, measure, repeats) -> Profil
         flat_in = tuple(takes) if call.index > 0 else tuple(graph.inputs)
         outs = tuple(segment.gives)
         profiles.append(_profile_program(call.index, call.name, program, flat_in, outs,
-                                         segment.trainable_variables, state, x, None, measure, repeats))
+                                         segment.trainable_variables, state, x, None, measure, repeats, probe))
     overhead = whole = (0.0, 0.0)
     if measure:  # what any call costs doing nothing: a part pays it once, not once per call
         spec = tf.TensorSpec((1,), tf.float32)
@@ -253,6 +277,6 @@ def _profile(graph, loss_fn, x_spec, y_spec, device, measure, repeats) -> Profil
     out_spec = out_specs[0] if len(out_specs) == 1 else tf.nest.pack_sequence_as(graph.output_structure, out_specs)
     loss_program = StageProgram(lambda out, labels: loss_fn(labels, out), [], out_spec, y_spec, device)
     loss = _profile_program(len(graph.calls), "loss", loss_program, tuple(graph.outputs), (), (), 0,
-                            tf.nest.map_structure(_zeros, out_spec), _zeros(y_spec), measure, repeats)
+                            tf.nest.map_structure(_zeros, out_spec), _zeros(y_spec), measure, repeats, probe)
     return Profile(graph.name, int(tf.nest.flatten(x_spec)[0].shape[0]), tuple(profiles), loss,
-                   value_bytes, specs, tuple(graph.boundary(k) for k in range(len(graph) + 1)), measure, overhead, whole)
+                   value_bytes, specs, tuple(graph.boundary(k) for k in range(len(graph) + 1)), measure, overhead, whole, probe is not None)

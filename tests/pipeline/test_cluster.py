@@ -134,8 +134,8 @@ def test_a_worker_outside_a_loopback_only_namespace_refuses_without_the_flag():
 @pytest.mark.slow  # an interpreter and 4 workers (~30 s): make test-slow
 def test_a_keras_model_cut_by_the_planner_runs_on_workers_as_predicted_by_the_ledger():
     """`terra.pipeline.pipeline` on remote workers: the plan's pack bytes equal the built stages'
-    and its rank peaks equal the executor's ledger; the workers' allocators see more (the
-    temporaries the plan does not model), which the report carries beside the prediction."""
+    and its rank peaks in the ledger's terms equal the executor's ledger; with the temporaries
+    measured on worker 0's allocator the report carries the prediction beside the allocators'."""
     report = cluster.run_isolated(["keras", "--workers", "4", "--d-model", "64", "--blocks", "2"],
                                   timeout=300)
     assert report["losses"][-1] < report["losses"][0]
@@ -143,5 +143,6 @@ def test_a_keras_model_cut_by_the_planner_runs_on_workers_as_predicted_by_the_le
         assert part["pack_bytes_predicted"] == part["pack_bytes"] > 0
         assert part["forward_s"] > 0 and part["backward_s"] > 0
     for rank in report["ranks"]:
-        assert rank["predicted_peak"] == rank["ledger_peak"]
+        assert rank["predicted_ledger_peak"] == rank["ledger_peak"]
+        assert rank["predicted_peak"] > rank["predicted_ledger_peak"]   # temporaries measured on worker 0
         assert rank["allocator_peak"] > rank["allocator_base"] > 0
