@@ -1,6 +1,9 @@
 """Pipeline schedules with and without BPipe, side by side: iteration time (median of repeats and
 spread), per-stage peak bytes (ledger; allocator from per-process cluster workers) and BPipe's
-transfer overhead. Writes benchmarks/results/pipeline.{json,md} and pipeline_memory.png.
+transfer overhead, each beside what the cost model predicts from the stages' measured action
+times (`terra.pipeline.calibrate`); on the cluster, a plain-Keras GPT cut by the planner with its
+predicted peaks beside the workers' allocator peaks. Writes benchmarks/results/pipeline.{json,md}
+and pipeline_memory.png.
 
     python benchmarks/pipeline.py [--stages 4] [--repeats 7] [--no-cluster]
 """
@@ -17,13 +20,13 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-SCHEDULES = ["gpipe", "1f1b", "interleaved", "kfkb", "chimera"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "kfkb", "chimera", "zb-h1", "zb-v"]
 
 
 def time_schedules(p, m, repeats, seq, d_model, mb_size):
     import keras
-    from terra.pipeline import stage
-    from terra.pipeline.executor import PipelineTrainer
+    from terra.pipeline import calibrate, stage
+    from terra.pipeline.executor import PipelineTrainer, make_schedule
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * p)
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
@@ -35,9 +38,10 @@ def time_schedules(p, m, repeats, seq, d_model, mb_size):
     runs.insert(4, ("1f1b", "bpipe", False))                 # BPipe with synchronous transfers
     trainers = []
     for name, balance, overlap in runs:
-        nparts = 2 * p if name == "interleaved" else p
+        sch = make_schedule(name, p, m)
+        nparts = sch.pipe_depth
         parts = stage.tiny_gpt(nparts, seq=seq, d_model=d_model,
-                               devices=[devices[k % p] for k in range(nparts)])
+                               devices=[devices[sch.stage_ranks[k]] for k in range(nparts)])
         reps = stage.tiny_gpt(nparts, seq=seq, d_model=d_model, devices=devices[::-1]) if name == "chimera" else None
         tr = PipelineTrainer(parts, lambda: keras.optimizers.Adam(1e-3), devices=devices, schedule=name,
                              balance=balance, microbatches=m, replica_stages=reps, overlap=overlap)
@@ -55,13 +59,17 @@ def time_schedules(p, m, repeats, seq, d_model, mb_size):
             xfer[k].append(sum(tr.transfer_seconds))
     for (name, balance, overlap), tr, ts, xs in zip(runs, trainers, times, xfer):
         mem = tr.memory_report()
+        pred = calibrate.predict(tr, repeats=5)
         moves = sum(1 for _, _, a in tr.schedule.actions() if a.kind.name in ("EVICT", "LOAD"))
         rows.append({"schedule": name, "balance": (balance or "none") + ("" if overlap else "+sync"),
                      "median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts),
                      "transfer_s_median": statistics.median(xs), "transfers": moves,
                      "ledger_peak_packs": [r["peak_packs"] for r in mem],
                      "ledger_peak_activation": [r["peak_activation"] for r in mem],
-                     "ledger_peak_total": [r["peak_total"] for r in mem]})
+                     "ledger_peak_total": [r["peak_total"] for r in mem],
+                     "predicted_s": pred.step_time, "predicted_bubble": pred.bubble,
+                     "predicted_peak_total": list(pred.peak_bytes),
+                     "stage_costs_s": {"F": list(pred.costs.F), "B": list(pred.costs.B), "W": list(pred.costs.W)}})
         tr.close()
         print(f"{name:12s} {rows[-1]['balance']:11s} median {rows[-1]['median_s'] * 1e3:7.1f} ms "
               f"packs {rows[-1]['ledger_peak_packs']}", flush=True)
@@ -81,12 +89,18 @@ def markdown(report):
     lines = [f"# Pipeline schedules, {report['stages']} stages, {report['microbatches']} micro-batches",
              "", f"Machine: {report['machine']}. Times: median of {report['repeats']} steps "
              "(min-max), in-process logical CPUs.", "", overhead, "",
-             "| schedule | balance | step ms (min-max) | transfer ms | EVICT+LOAD | ledger peak packs / rank | ledger peak activation KiB / rank |",
-             "|---|---|---|---|---|---|---|"]
+             "Predicted: `terra.pipeline.calibrate.predict`, the simulator fed each stage's F/B/W timed "
+             "alone on its device and the built packs; it assumes a core per rank, which "
+             f"{report['stages']} ranks on {os.cpu_count()} cores do not have, so measured / predicted "
+             "shows the contention. Predicted peaks use the ledger's rules and equal its peaks.", "",
+             "| schedule | balance | step ms (min-max) | predicted ms | measured / predicted | bubble (predicted) | transfer ms | EVICT+LOAD | ledger peak packs / rank | ledger peak activation KiB / rank | predicted peak = ledger |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["in_process"]:
+        same = "yes" if r["predicted_peak_total"] == r["ledger_peak_total"] else f"no: {r['predicted_peak_total']}"
         lines.append(f"| {r['schedule']} | {r['balance']} | {r['median_s'] * 1e3:.1f} ({r['min_s'] * 1e3:.1f}-"
-                     f"{r['max_s'] * 1e3:.1f}) | {r['transfer_s_median'] * 1e3:.1f} | {r['transfers']} | "
-                     f"{r['ledger_peak_packs']} | {[round(b / 1024) for b in r['ledger_peak_activation']]} |")
+                     f"{r['max_s'] * 1e3:.1f}) | {r['predicted_s'] * 1e3:.1f} | {r['median_s'] / r['predicted_s']:.2f} | "
+                     f"{r['predicted_bubble']:.2f} | {r['transfer_s_median'] * 1e3:.1f} | {r['transfers']} | "
+                     f"{r['ledger_peak_packs']} | {[round(b / 1024) for b in r['ledger_peak_activation']]} | {same} |")
     if report.get("cluster"):
         lines += ["", "## Cluster mode (one TF server process per stage, BFC allocator per worker)", "",
                   "| run | step ms (median) | grad err vs single device | ledger peak packs | allocator peak KiB / worker (above idle) | transfer ms |",
@@ -95,6 +109,20 @@ def markdown(report):
             above = [round((a - b) / 1024) for a, b in zip(r["allocator_peak"], r["allocator_base"])]
             lines.append(f"| {name} | {r['seconds'] * 1e3:.0f} | {r['grad_err']:.1e} | {r['ledger_peak_packs']} | "
                          f"{above} | {sum(r['transfer_seconds']) * 1e3:.0f} |")
+    if report.get("cluster_keras"):
+        k = report["cluster_keras"]
+        lines += ["", "## A plain-Keras GPT cut by the planner, on the cluster workers", "",
+                  "`python -m terra.pipeline.cluster keras`: profiled on worker 0 (its allocator measures each "
+                  "call's backward working set), planned, trained; per worker the plan's total (ledger terms "
+                  "plus temporaries) beside the allocator peak, and per part the predicted forward + backward "
+                  "beside the part run alone.", "", "```", k["plan"], "```", "",
+                  "| worker | predicted peak KiB | allocator peak KiB | error | ledger peak KiB (= predicted in its terms) | part F+B ms predicted | measured |",
+                  "|---|---|---|---|---|---|---|"]
+        for i, (r, part) in enumerate(zip(k["ranks"], k["parts"])):
+            lines.append(f"| {i} | {r['predicted_peak'] // 1024} | {r['allocator_peak'] // 1024} | {r['peak_error']:+.1%} | "
+                         f"{r['ledger_peak'] // 1024} ({'=' if r['ledger_peak'] == r['predicted_ledger_peak'] else '!='}) | "
+                         f"{(part['forward_s_predicted'] + part['backward_s_predicted']) * 1e3:.2f} | "
+                         f"{(part['forward_s'] + part['backward_s']) * 1e3:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -144,6 +172,7 @@ def main():
             ["demo", "--workers", str(args.stages), "--microbatches", str(args.microbatches),
              "--schedules", "1f1b,1f1b+bpipe,1f1b+bpipe+sync,gpipe", "--repeats", str(args.repeats),
              "--seq", str(args.seq), "--d-model", str(args.d_model), "--mb-size", str(args.mb_size)], timeout=400)
+        report["cluster_keras"] = cluster.run_isolated(["keras", "--workers", str(args.stages)], timeout=400)
     report["in_process"] = time_schedules(args.stages, args.microbatches, args.repeats, args.seq,
                                           args.d_model, args.mb_size)
     os.makedirs(RESULTS, exist_ok=True)

@@ -1,0 +1,79 @@
+"""The cost model calibrated from a built `PipelineTrainer`: what `simulate` predicts for its
+schedule with its own measured action times and byte sizes, to set beside what it measured.
+
+Each stage's F, B and W is timed alone on its device with its compiled programs (median of
+``repeats`` after warm-up; B and W separately where the schedule splits the backward, else the
+whole backward as B). Bytes are the built stages' packs and the ledger's static bytes per rank.
+The prediction assumes each rank has its device to itself: ranks sharing cores (logical CPUs on
+a small machine) run slower than predicted by about the ratio of ranks to cores.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from terra.pipeline import profile as profile_lib
+from terra.pipeline.simulate import Costs, SimResult, simulate
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Measured per-stage costs and what the simulator makes of them."""
+    costs: Costs
+    result: SimResult
+
+    @property
+    def step_time(self) -> float:
+        return self.result.step_time
+
+    @property
+    def bubble(self) -> float:
+        return self.result.bubble
+
+    @property
+    def peak_bytes(self) -> tuple:
+        return self.result.peak_bytes
+
+
+def _zeros(spec):
+    return tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), spec)
+
+
+def stage_costs(trainer, repeats: int = 5) -> Costs:
+    """Per global stage: F, B, W seconds of its first copy's programs, run alone."""
+    if trainer._built_for is None:
+        raise RuntimeError("stage costs are measured after the first step (the stages are built then)")
+    split = bool(trainer.schedule.split)
+    time = profile_lib._median_seconds
+    f, b, w = [], [], []
+    labels_spec = trainer._built_for[1]
+    for row in trainer.replicas:
+        program = row[0].program
+        x = _zeros(program.input_spec)
+        labels = _zeros(labels_spec) if program.is_last else None
+        out, pack = program.forward(x, labels)
+        grad = tf.nest.map_structure(tf.ones_like, out)
+        f.append(time(lambda: program.forward(x, labels), repeats))
+        if split:
+            _, residual = program.backward_input(pack, grad)
+            b.append(time(lambda: program.backward_input(pack, grad), repeats))
+            w.append(time(lambda: program.backward_weight(pack, residual), repeats))
+        else:
+            b.append(time(lambda: program.backward(pack, grad), repeats))
+            w.append(0.0)
+    return Costs(F=f, B=b, W=w)
+
+
+def predict(trainer, repeats: int = 5) -> Prediction:
+    """Simulate the trainer's schedule with its measured costs, its packs and its ledger's static
+    bytes (per rank, given to the rank's first stage)."""
+    costs = stage_costs(trainer, repeats)
+    sch = trainer.schedule
+    static = [0] * sch.num_stages
+    for r, entry in enumerate(trainer.ledger.report()):
+        stages = sch.stages_of(r)
+        if stages:
+            static[stages[0]] = entry["weights"] + entry["optimizer"] + entry["grads"]
+    result = simulate(sch, act_bytes=trainer.pack_bytes, weight_bytes=static, costs=costs)
+    return Prediction(costs, result)
