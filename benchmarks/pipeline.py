@@ -2,8 +2,8 @@
 spread), per-stage peak bytes (ledger; allocator from per-process cluster workers) and BPipe's
 transfer overhead, each beside what the cost model predicts from the stages' measured action
 times (`terra.pipeline.calibrate`); on the cluster, a plain-Keras GPT cut by the planner with its
-predicted peaks beside the workers' allocator peaks. Writes benchmarks/results/pipeline.{json,md}
-and pipeline_memory.png.
+predicted peaks beside the workers' allocator peaks. Writes benchmarks/results/pipeline.{json,md},
+pipeline_memory.png and pipeline_prediction.png.
 
     python benchmarks/pipeline.py [--stages 4] [--repeats 7] [--no-cluster]
 """
@@ -92,7 +92,8 @@ def markdown(report):
              "Predicted: `terra.pipeline.calibrate.predict`, the simulator fed each stage's F/B/W timed "
              "alone on its device and the built packs; it assumes a core per rank, which "
              f"{report['stages']} ranks on {os.cpu_count()} cores do not have, so measured / predicted "
-             "shows the contention. Predicted peaks use the ledger's rules and equal its peaks.", "",
+             "shows the contention. Predicted peaks use the ledger's rules and equal its peaks "
+             "([plot](pipeline_prediction.png)).", "",
              "| schedule | balance | step ms (min-max) | predicted ms | measured / predicted | bubble (predicted) | transfer ms | EVICT+LOAD | ledger peak packs / rank | ledger peak activation KiB / rank | predicted peak = ledger |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["in_process"]:
@@ -153,6 +154,42 @@ def plot(report, path):
     fig.savefig(path, dpi=120)
 
 
+def plot_prediction(report, path):
+    """Predicted against measured: step time per schedule (in-process) and per-rank peak bytes
+    (ledger in-process; allocator for the planner-cut Keras model on the cluster)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = report["in_process"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    ax = axes[0]
+    for r in rows:
+        ax.plot(r["predicted_s"] * 1e3, r["median_s"] * 1e3, "o", markersize=4)
+        ax.annotate(f"{r['schedule']}/{r['balance']}", (r["predicted_s"] * 1e3, r["median_s"] * 1e3), fontsize=6)
+    top = max(r["median_s"] for r in rows) * 1e3 * 1.1
+    ax.plot([0, top], [0, top], "k--", linewidth=0.7, label="measured = predicted")
+    ax.set_xlabel("predicted step (ms, a core per rank)")
+    ax.set_ylabel("measured step (ms, median)")
+    ax.set_title(f"step time, {report['stages']} ranks on {os.cpu_count()} cores", fontsize=9)
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    pred = [b / 2**20 for r in rows for b in r["predicted_peak_total"]]
+    meas = [b / 2**20 for r in rows for b in r["ledger_peak_total"]]
+    ax.plot(pred, meas, "o", markersize=3, label="ledger, every schedule and rank")
+    if report.get("cluster_keras"):
+        k = report["cluster_keras"]["ranks"]
+        ax.plot([r["predicted_peak"] / 2**20 for r in k], [r["allocator_peak"] / 2**20 for r in k], "s",
+                markersize=5, label="allocator, planner-cut Keras GPT (cluster)")
+    top = max(pred + meas + [r["allocator_peak"] / 2**20 for r in report.get("cluster_keras", {}).get("ranks", [])]) * 1.1
+    ax.plot([0, top], [0, top], "k--", linewidth=0.7)
+    ax.set_xlabel("predicted peak (MiB)")
+    ax.set_ylabel("measured peak (MiB)")
+    ax.set_title("peak memory per rank", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--stages", type=int, default=4)
@@ -181,6 +218,7 @@ def main():
     with open(os.path.join(RESULTS, "pipeline.md"), "w") as f:
         f.write(markdown(report))
     plot(report, os.path.join(RESULTS, "pipeline_memory.png"))
+    plot_prediction(report, os.path.join(RESULTS, "pipeline_prediction.png"))
     print(markdown(report))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from terra.pipeline.actions import B, EVICT, F, LOAD, W, format_cell
+from terra.pipeline.actions import B, EVICT, F, LOAD, RECV, SEND, W, format_cell
 
 
 def timeline(result, max_steps: Optional[int] = None) -> str:
@@ -63,6 +63,10 @@ def plot(result, path, title: Optional[str] = None) -> str:
                 ax.plot(t + 0.25 + 0.3 * j, y + 0.93, marker=marker, color=color, markersize=4)
                 ax.text(t + 0.45 + 0.3 * j, y + 0.93, str(x.microbatch), fontsize=5, va="center",
                         color=color)
+            messages = [x for x in cell if x.kind in (SEND, RECV)]
+            for j, x in enumerate(messages):   # below the cell: > sends, < receives
+                marker = ">" if x.kind is SEND else "<"
+                ax.plot(t + 0.2 + 0.2 * (j % 4), y + 0.2, marker=marker, color="#666666", markersize=3)
         xs = [t + 0.5 for t in range(T)]
         ys = [y + 0.04 + 0.26 * n / peak for n in result.held[r]]
         ax.step(xs, ys, where="mid", color="black", linewidth=0.7)
@@ -73,6 +77,7 @@ def plot(result, path, title: Optional[str] = None) -> str:
         handles.append(matplotlib.patches.Patch(color=_COLORS[W], label="weight grad"))
     handles += [matplotlib.lines.Line2D([], [], marker="v", color="#C44E52", linestyle="", label="evict"),
                 matplotlib.lines.Line2D([], [], marker="^", color="#DD8452", linestyle="", label="load"),
+                matplotlib.lines.Line2D([], [], marker=">", color="#666666", linestyle="", label="send / recv"),
                 matplotlib.lines.Line2D([], [], color="black", linewidth=0.7, label="held")]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(handles),
               fontsize=7, frameon=False)
