@@ -98,6 +98,7 @@ class _Part:
         self.fn, self.eval_fn = (self._loss(sequential(self.callables, training), loss_fn)
                                  for training in (True, False))
         self.program: Optional[StageProgram] = None
+        self.programs = {}          # per micro-batch shape (a schedule change may change it)
         self.evaluator = None
         self.optimizer = None
         self.apply = None
@@ -231,7 +232,8 @@ class PipelineTrainer:
                  schedule="1f1b", balance: Optional[str] = None, microbatches: int = 4,
                  loss_fn: Callable = lm_loss, replica_stages: Optional[Sequence] = None,
                  data_parallel_stages: Sequence = (), timeout: float = 120.0, overlap: bool = True,
-                 one_optimizer: bool = False, **schedule_options):
+                 one_optimizer: bool = False, link_delay: Optional[Callable[[int], float]] = None,
+                 **schedule_options):
         if not callable(optimizer_factory):
             raise TypeError(f"optimizer_factory must be callable, got {optimizer_factory!r}")
         self.rank_devices = [list(d) if isinstance(d, (list, tuple)) else [d] for d in devices]
@@ -273,6 +275,7 @@ class PipelineTrainer:
             copies.append(list(replica_stages))
         self.loss_fn = loss_fn
         self.timeout = timeout
+        self.link_delay = link_delay
         self.overlap = overlap
         d = sch.pipe_depth
         # Global stage g runs part g % d of pipeline replica g // d on rank stage_ranks[g];
@@ -316,6 +319,30 @@ class PipelineTrainer:
         self.last_step_seconds = None
         self.transfer_seconds = [0.0] * p
 
+    def _delay(self, src: int, dst: int, value) -> float:
+        """Injected time on the wire for ``value`` going from stage ``src`` to ``dst`` (0 where
+        no ``link_delay`` was given or both stages share a rank)."""
+        if self.link_delay is None or self.schedule.stage_ranks[src] == self.schedule.stage_ranks[dst]:
+            return 0.0
+        nbytes = sum(int(t.shape.num_elements()) * t.dtype.size for t in tf.nest.flatten(value) if t is not None)
+        return float(self.link_delay(nbytes))
+
+    def set_schedule(self, schedule) -> None:
+        """Run ``schedule`` from the next step on (Ada-Grouper switching k of kFkB): the same ranks
+        and model parts, possibly another number of micro-batches. Parts keep their variables and
+        the optimizer its state; stage programs are built once per micro-batch shape."""
+        validate(schedule)
+        old = self.schedule
+        if (schedule.p, schedule.pipe_depth, schedule.stage_ranks) != (old.p, old.pipe_depth, old.stage_ranks):
+            raise ValueError(f"schedule {schedule.name!r} places parts differently (p={schedule.p}, "
+                             f"stage_ranks={schedule.stage_ranks}) than {old.name!r} "
+                             f"(p={old.p}, stage_ranks={old.stage_ranks})")
+        if self.dp > 1 and schedule.m != self.m:
+            raise ValueError("changing the number of micro-batches with data-parallel copies is not supported")
+        _check_pairs(self.devices, schedule)
+        self.schedule = schedule
+        self.m = schedule.m
+
     # ------------------------------------------------------------------------------- build
     def _build(self, x_spec, y_spec):
         sch = self.schedule
@@ -324,8 +351,11 @@ class PipelineTrainer:
             if g % sch.pipe_depth == 0:
                 spec = x_spec
             for part in row:
-                part.program = StageProgram(part.fn, part.variables, spec,
-                                            y_spec if part.is_last else None, part.device)
+                key = (repr(spec), repr(y_spec) if part.is_last else None)
+                if key not in part.programs:
+                    part.programs[key] = StageProgram(part.fn, part.variables, spec,
+                                                      y_spec if part.is_last else None, part.device)
+                part.program = part.programs[key]
                 if part.optimizer is None and not self.one_optimizer:
                     owned = [part.variables[i] for i in part.owned]
                     with tf.device(part.device):
@@ -606,7 +636,7 @@ class _StepState:
                 self.losses[a.microbatch, j] = out
             else:
                 out, pack = part.program.forward(x)
-                self.mailbox.put(("x", a.stage + 1, a.microbatch, j), out)
+                self.mailbox.put(("x", a.stage + 1, a.microbatch, j), out, self.t._delay(a.stage, a.stage + 1, out))
             packs.append(pack)
         with self.lock:
             self.packs[key] = packs
@@ -636,7 +666,7 @@ class _StepState:
                 gx, gvars = part.program.backward(pack, grad)
                 self._accumulate(a.stage, j, part, gvars)
             if sch.prev_stage(a.stage) is not None:
-                self.mailbox.put(("g", a.stage - 1, a.microbatch, j), gx)
+                self.mailbox.put(("g", a.stage - 1, a.microbatch, j), gx, self.t._delay(a.stage, a.stage - 1, gx))
         if split:
             with self.lock:
                 self.residuals[key] = residuals

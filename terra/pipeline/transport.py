@@ -12,6 +12,7 @@ tensor, a remote step took 3.5x longer).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Sequence
 
 import tensorflow as tf
@@ -22,19 +23,26 @@ class PipelineAborted(RuntimeError):
 
 
 class Mailbox:
-    """Thread-safe one-shot slots: ``put(key, value)`` once, ``get(key)`` blocks until it is there."""
+    """Thread-safe one-shot slots: ``put(key, value)`` once, ``get(key)`` blocks until it is there.
+
+    ``put(..., delay=s)`` makes the value arrive ``s`` seconds after the put (the producer goes on
+    at once): a slow link between ranks, for trying schedules against a network that is not
+    there (`PipelineTrainer(link_delay=...)`)."""
 
     def __init__(self, timeout: float = 120.0):
         self.timeout = timeout
         self._values = {}
+        self._ready = {}
         self._cond = threading.Condition()
         self._aborted = None
 
-    def put(self, key, value):
+    def put(self, key, value, delay: float = 0.0):
         with self._cond:
             if key in self._values:
                 raise RuntimeError(f"mailbox slot {key} filled twice")
             self._values[key] = value
+            if delay > 0:
+                self._ready[key] = time.monotonic() + delay
             self._cond.notify_all()
 
     def get(self, key):
@@ -47,6 +55,11 @@ class Mailbox:
             if not ok:
                 raise TimeoutError(f"mailbox slot {key} not filled within {self.timeout} s "
                                    f"(schedule dependency never satisfied?)")
+            ready = self._ready.pop(key, None)
+            while ready is not None and self._aborted is None and time.monotonic() < ready:
+                self._cond.wait(ready - time.monotonic())   # still on the wire
+            if self._aborted is not None:
+                raise PipelineAborted(f"waiting for {key}: {self._aborted}")
             return self._values.pop(key)
 
     def abort(self, reason):
