@@ -15,11 +15,14 @@ network as a time per byte between ranks.
 **Online tuning** (`Tuner`). Between steps the tuner is told the measured step time of the plan
 it runs. Every ``period`` steps it infers the network's time per byte that makes the cost model
 give the recent median step time for the current plan (bisection: the step time grows with the
-per-byte time), re-estimates every candidate under that network, and switches to the best.
+per-byte time), re-estimates every candidate under that network, and switches to the best if it is predicted to be at least ``min_gain`` faster (a
+margin against switching back and forth on timing noise).
 The first ``settle`` steps after the start and after each switch are not used (a new plan's first
 step warms up). The first ``period`` used steps calibrate a factor between measured and modelled
 time on the network given as nominal (a machine whose ranks share cores runs slower than the model by a roughly
-constant factor), so the inferred network reflects a change of the network, not of the model.
+constant factor), so the inferred network reflects a change of the network, not of the model. A
+plan measured faster than its nominal time corrects that time (the network cannot be faster than
+nominal; the nominal measurement was high).
 """
 from __future__ import annotations
 
@@ -107,6 +110,7 @@ class Tuner:
     max_per_byte: float = 1.0
     settle: int = 0            # observations ignored after the start and after each switch (warm-up)
     nominal_seconds: Optional[dict] = None   # k -> measured step seconds on the nominal network
+    min_gain: float = 0.0      # switch only for a predicted step at least this fraction shorter
     current: Candidate = None
     per_byte: float = None
     factor: Optional[float] = None
@@ -176,10 +180,14 @@ class Tuner:
         if self.factor is None:   # the first period calibrates model against machine
             self.factor = median / self._model(self.current, self.nominal_per_byte)
             return None
+        if self.nominal_seconds is not None and median < self.predicted(self.current, self.nominal_per_byte):
+            # Faster than its nominal time: that measurement was high (noise), not the network low.
+            self.nominal_seconds[self.current.k] = median
         self.per_byte = self._infer(median)
         self._model_cache = {k: v for k, v in self._model_cache.items() if k[2] in (self.per_byte, self.nominal_per_byte)}
         choice = self.best(self.per_byte)
-        if choice == self.current:
+        if choice == self.current or (self.predicted(choice, self.per_byte)
+                                      > (1 - self.min_gain) * self.predicted(self.current, self.per_byte)):
             return None
         self.current = choice
         self._skip = self.settle

@@ -41,7 +41,7 @@ class AdaptiveKFKB:
 
     def __init__(self, trainer: PipelineTrainer, x, y, *, budget: int, period: int = 3,
                  nominal_per_byte: float = 0.0, max_k: Optional[int] = None, repeats: int = 3,
-                 settle: int = 2):
+                 settle: int = 2, min_gain: float = 0.1, nominal_repeats: int = 5):
         sch = trainer.schedule
         if sch.num_stages != sch.p:
             raise ValueError("Ada-Grouper runs kFkB: one model part per rank")
@@ -72,7 +72,7 @@ class AdaptiveKFKB:
                     costs = calibrate.stage_costs(trainer, repeats)
                     self._costs[c.microbatch_size] = (list(costs.F), list(costs.B))
                 times = []
-                for i in range(repeats + 1):   # whole steps on this network, nothing applied
+                for i in range(nominal_repeats + 1):   # whole steps on this network, nothing applied
                     trainer.step(x, y, apply=False)
                     times.append(trainer.last_step_seconds)
                 self.nominal_seconds[c.k] = statistics.median(times[1:])
@@ -81,7 +81,7 @@ class AdaptiveKFKB:
                 v.assign(value)
         self.tuner = ada_grouper.Tuner(self.candidates, self._costs.__getitem__, msg,
                                        nominal_per_byte=nominal_per_byte, period=period, settle=settle,
-                                       nominal_seconds=self.nominal_seconds)
+                                       nominal_seconds=self.nominal_seconds, min_gain=min_gain)
         trainer.set_schedule(self.tuner.current.schedule)
         self.switches = []
 
