@@ -34,7 +34,7 @@ bench-quick: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-.PHONY: bench-coexec bench-pipeline bench-real bench-fit bench-soak bench-breakdown results
+.PHONY: bench-coexec bench-pipeline bench-ada-grouper bench-real bench-fit bench-soak bench-breakdown results
 bench-coexec: $(STAMP)
 	$(PY) -m benchmarks.coexec
 
@@ -52,6 +52,9 @@ bench-breakdown: $(STAMP)
 
 bench-pipeline: $(STAMP)
 	$(PY) benchmarks/pipeline.py
+
+bench-ada-grouper: $(STAMP)
+	$(PY) benchmarks/ada_grouper.py
 
 results: $(STAMP)
 	$(PY) -m benchmarks.collect

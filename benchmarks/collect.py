@@ -17,8 +17,10 @@ RESULTS = os.path.join(HERE, "results")
 SECTIONS = (
     ("results.md", "make bench  (python -m benchmarks.run)"),
     ("coexec.md", "python -m benchmarks.coexec"),
+    ("breakdown.md", "make bench-breakdown (python -m benchmarks.breakdown)"),
     ("hook_overhead.md", "python -m benchmarks.hook_overhead"),
     ("pipeline.md", "python benchmarks/pipeline.py"),
+    ("ada_grouper.md", "make bench-ada-grouper (python benchmarks/ada_grouper.py)"),
     ("real.md", "make bench-real  (python -m benchmarks.real)"),
     ("fit.md", "make bench-fit  (python -m benchmarks.fit)"),
     ("soak.md", "make bench-soak  (python -m benchmarks.soak)"),
