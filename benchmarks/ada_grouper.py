@@ -2,9 +2,11 @@
 message between ranks held back by an injected time per byte (`PipelineTrainer(link_delay=...)`)
 that follows a trace: nominal, preempted, worse, recovered. Each fixed-k candidate runs the same
 trace (the offline sweep: per phase, the best k); the adaptive trainer runs it once, choosing k
-between steps. Writes benchmarks/results/ada_grouper.{json,md}.
+between steps. Writes benchmarks/results/ada_grouper.{json,md} (ada_grouper_cluster.* with
+--cluster: the ranks on local server workers, run inside a loopback-only namespace).
 
     python benchmarks/ada_grouper.py [--steps-per-phase 24] [--budget 3000000]
+    unshare -rn sh -c 'ip link set lo up && python benchmarks/ada_grouper.py --cluster'
 """
 import argparse
 import json
@@ -38,14 +40,24 @@ def main():
     parser.add_argument("--steps-per-phase", type=int, default=24)
     parser.add_argument("--budget", type=int, default=3_000_000)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--cluster", action="store_true",
+                        help="ranks on local tf.distribute.Server workers (run inside `unshare -rn`)")
     args = parser.parse_args()
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * P)
+    if args.cluster:
+        from terra.pipeline import cluster
+        with cluster.LocalCluster(P) as local:
+            run(args, local.devices, "cluster workers (one process each)")
+    else:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * P)
+        run(args, [d.name for d in tf.config.list_logical_devices("CPU")][:P], "logical CPUs")
+
+
+def run(args, devices, where):
     import keras
     from terra.pipeline import executor as ex, stage as st
     from terra.pipeline.adaptive import AdaptiveKFKB
 
-    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
     rng = np.random.default_rng(0)
     x = rng.integers(0, 64, (args.batch, 16)).astype("int32")
     y = (x + 1) % 64
@@ -73,12 +85,12 @@ def main():
         fixed[c.k] = [t for t, _ in run_trace(tr, lambda: tr.step(x, y), lambda: c.k, delay, trace)]
         tr.close()
     n = args.steps_per_phase
-    report = {"p": P, "batch": args.batch, "budget": args.budget, "phases": phases,
+    report = {"p": P, "where": where, "batch": args.batch, "budget": args.budget, "phases": phases,
               "candidates": [str(c) for c in candidates], "nominal_seconds": ada.nominal_seconds,
               "adaptive": {"seconds": [t for t, _ in adaptive], "k": [k for _, k in adaptive],
                            "inferred_per_byte": [h[3] for h in ada.tuner.history]},
               "fixed": fixed, "machine": f"{os.cpu_count()} CPU cores, TF {tf.__version__}"}
-    lines = [f"# Ada-Grouper under an injected slow link ({P} ranks on logical CPUs, global batch {args.batch})", "",
+    lines = [f"# Ada-Grouper under an injected slow link ({P} ranks on {where}, global batch {args.batch})", "",
              f"Machine: {report['machine']}. Link: every message between ranks waits bytes x time-per-byte. "
              f"Candidates on the memory-limit curve (budget {args.budget} B per rank): "
              f"{', '.join(report['candidates'])}. Median step ms per phase ({n} steps each; the tuner "
@@ -99,9 +111,10 @@ def main():
               f"; adaptive {ada_total:.2f} s ({ada_total / min(totals.values()):.2f} x the best fixed k)."]
     report["totals"] = {"fixed": totals, "adaptive": ada_total}
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "ada_grouper.json"), "w") as f:
+    name = "ada_grouper_cluster" if args.cluster else "ada_grouper"
+    with open(os.path.join(RESULTS, name + ".json"), "w") as f:
         json.dump(report, f, indent=1)
-    with open(os.path.join(RESULTS, "ada_grouper.md"), "w") as f:
+    with open(os.path.join(RESULTS, name + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -175,7 +175,10 @@ class AllocatorProbe:
 
 
 def local_probe(device: str) -> Optional[AllocatorProbe]:
-    """A probe of ``device``'s allocator, or None where TF keeps no stats for it."""
-    if allocator_info(device) is None:
+    """A probe of GPU ``device``'s allocator, or None. In-process CPUs are not probed: logical CPUs
+    share one allocator, and its stats exist only while something enables them (they read as
+    zeros after a reset)."""
+    spec = tf.DeviceSpec.from_string(device or "")
+    if (spec.device_type or "").upper() != "GPU" or allocator_info(device) is None:
         return None
     return AllocatorProbe(lambda: reset_allocator_peak(device), lambda: allocator_info(device))

@@ -175,12 +175,14 @@ def _backward_peak(program, pack, grad, probe) -> int:
     included: they are what the executor keeps or sends)."""
     _tf_private.wait_for_devices()
     probe.reset()
-    before = probe.read()["current"]
+    before = probe.read()
     result = program.backward(pack, grad)
     _tf_private.wait_for_devices()
-    peak = probe.read()["peak"]
+    after = probe.read()
     del result
-    return max(0, int(peak) - int(before))
+    if not before or not after:
+        raise RuntimeError("the allocator probe returned no stats: it cannot measure temporaries")
+    return max(0, int(after["peak"]) - int(before["current"]))
 
 
 def _profile_program(index, name, program, in_values, out_values, variables, state_bytes,

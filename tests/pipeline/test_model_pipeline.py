@@ -273,3 +273,23 @@ def test_measuring_leaves_the_model_as_it_was():
         assert all(r["forward_s"] > 0 and r["backward_s"] > 0 for r in rows)
     finally:
         trainer.close()
+
+
+def test_bpipe_plan_counts_accepted_packs_and_trains_equal_to_one_device():
+    """With BPipe the acceptor rank holds its partner's packs: the plan's rank peaks (simulated
+    with the parts' bytes) equal the executor's ledger, and training is unchanged."""
+    devices = logical_cpus(4)
+    x, y = data()
+    model, ref = residual_model(), residual_model()
+    trainer = tp.pipeline(model, LOSS, keras.optimizers.Adam(0.01), devices=devices, microbatches=4,
+                          balance="bpipe", measure=False, cuts=[1, 3, 5])
+    try:
+        losses = [trainer.step(x, y) for _ in range(2)]
+        ledger = [r["peak_total"] for r in trainer.memory_report()]
+    finally:
+        trainer.close()
+    assert "bpipe" in trainer.plan.schedule
+    # Equal up to the optimizer's own scalars (iterations, learning rate) on the first device.
+    assert [abs(a - b) for a, b in zip(trainer.plan.rank_peak_bytes, ledger)] in ([12, 0, 0, 0], [0, 0, 0, 0])
+    assert losses == pytest.approx(reference_steps(ref, x, y, 4, keras.optimizers.Adam(0.01), 2), abs=TOL)
+    assert max_err(values(model), values(ref)) < TOL
