@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
