@@ -3,6 +3,7 @@ program run through every mode."""
 import argparse
 
 import numpy as np
+import pytest
 
 from benchmarks import real
 
@@ -26,6 +27,7 @@ def test_site_states_reads_explains_closing_lines():
         "a.py:3": "coexecution", "b.py:9": "eager (8 traces without a compilable repeat)"}
 
 
+@pytest.mark.slow  # a real program through eager, Terra and tf.function (~10 s): make test-slow
 def test_one_program_through_every_mode():
     a = argparse.Namespace(steps=6, rounds=1, size="tiny", seed=0)
     r = real.run_program("scratch_mnist", a, log=lambda s: None)

@@ -28,6 +28,7 @@ def test_metadata_has_versions_and_commit():
     assert m["tensorflow"] and m["git_commit"] and m["date"].endswith("UTC")
 
 
+@pytest.mark.slow  # the whole benchmark harness on a tiny run (~7 s): make test-slow
 def test_end_to_end_tiny_run_writes_results(tmp_path):
     """One program in its own process, eager vs tf.function: the frozen keep_prob is caught."""
     import json
