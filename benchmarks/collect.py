@@ -21,6 +21,7 @@ SECTIONS = (
     ("hook_overhead.md", "python -m benchmarks.hook_overhead"),
     ("pipeline.md", "python benchmarks/pipeline.py"),
     ("ada_grouper.md", "make bench-ada-grouper (python benchmarks/ada_grouper.py)"),
+    ("ada_grouper_cluster.md", "unshare -rn sh -c 'ip link set lo up && python benchmarks/ada_grouper.py --cluster'"),
     ("real.md", "make bench-real  (python -m benchmarks.real)"),
     ("fit.md", "make bench-fit  (python -m benchmarks.fit)"),
     ("soak.md", "make bench-soak  (python -m benchmarks.soak)"),
