@@ -22,7 +22,6 @@ needs_netns = pytest.mark.skipif(not _unshare_works(), reason="needs `unshare -r
 
 
 @needs_netns
-@pytest.mark.slow  # 5 interpreters, four schedules (~25 s): make test-slow
 def test_four_workers_1f1b_bpipe_and_zero_bubble_match_single_device():
     report = cluster.run_isolated(["demo", "--workers", "4", "--microbatches", "8", "--schedules",
                                    "1f1b,1f1b+bpipe,zb-h1,zb-v"], timeout=300)
