@@ -28,6 +28,11 @@ _busy = False                          # inside interceptor code: nested calls p
 _installs = 0                          # install() reference count
 _originals: dict = {}                  # (owner, attr) -> original object
 
+# Ops the garbage collector issues from a dead resource's `__del__` (a variable collected while a
+# step runs, possibly one a previous program left behind): they belong to no step, so they run as
+# eager runs them, are never recorded, and never make the step's trace uncompilable.
+COLLECTOR_OPS = frozenset({"DestroyResourceOp"})
+
 
 class Interceptor:
     """What the hook calls while active. Subclass and override; the defaults just execute.
@@ -96,7 +101,7 @@ def _num_inputs(op_type: str) -> int:
 
 def _wrap_fast_path(orig):
     def TFE_Py_FastPathExecute(ctx, op_name, name, *args):
-        if _active is None or _busy or _get_ident() != _thread:
+        if _active is None or _busy or _get_ident() != _thread or op_name in COLLECTOR_OPS:
             return orig(ctx, op_name, name, *args)
         n = _num_inputs(op_name)
         return _dispatch(_active, op_name, args[:n], args[n:], "fast",
@@ -130,6 +135,8 @@ def _wrap_execute(orig):
         if _active is None or _busy or _get_ident() != _thread:
             return orig(op_name, num_outputs, inputs, attrs, ctx, name)
         op_type = op_name.decode() if isinstance(op_name, bytes) else op_name
+        if op_type in COLLECTOR_OPS:
+            return orig(op_name, num_outputs, _real_inputs(inputs), attrs, ctx, name)
         return _dispatch(_active, op_type, inputs, attrs or (), _route(op_type),
                          lambda: orig(op_name, num_outputs, _real_inputs(inputs), attrs, ctx,
                                       name))
@@ -142,6 +149,9 @@ def _wrap_execute_with_cancellation(orig):
         if _active is None or _busy or _get_ident() != _thread:
             return orig(op_name, num_outputs, inputs, attrs, ctx, cancellation_manager, name)
         op_type = op_name.decode() if isinstance(op_name, bytes) else op_name
+        if op_type in COLLECTOR_OPS:
+            return orig(op_name, num_outputs, _real_inputs(inputs), attrs, ctx,
+                        cancellation_manager, name)
         return _dispatch(_active, op_type, inputs, attrs or (), _route(op_type),
                          lambda: orig(op_name, num_outputs, _real_inputs(inputs), attrs, ctx,
                                       cancellation_manager, name))

@@ -217,3 +217,29 @@ def test_reduce_mean_in_a_loop_folds_with_constant_axes():
     (mean,) = [n for n in loop.loop.body.op_nodes if n.op.op_type == "Mean"]
     # the axes are one constant, not a new feed every iteration (Python enqueueing each one)
     assert mean.inputs[1] == ConstRef((0, 1), "int32") and mean.feeds == ()
+
+
+def test_a_variable_collected_during_a_step_is_not_part_of_its_trace(monkeypatch):
+    """The garbage collector may run a dead resource's deleter while any step is recorded (a queue
+    of a graph a previous program left behind): the DestroyResourceOp runs as in eager,
+    unrecorded."""
+    import gc
+    from tensorflow.python.ops import gen_resource_variable_ops as gen
+    destroyed = []
+    original = gen.destroy_resource_op
+
+    def destroy(resource, **kwargs):
+        destroyed.append(resource)
+        return original(resource, **kwargs)
+
+    monkeypatch.setattr(gen, "destroy_resource_op", destroy)
+    dead = [tf.queue.FIFOQueue(1, tf.float32) for _ in range(3)]
+    with Recorder() as rec:
+        y = X * 2.0
+        del dead
+        gc.collect()
+        z = y + 1.0
+    assert len(destroyed) == 3
+    assert z.numpy()[0, 0] == 3.0
+    assert rec.trace.unsupported == []
+    assert [r.op_type for r in rec.trace.records] == ["Mul", "AddV2"]
