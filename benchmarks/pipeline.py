@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-SCHEDULES = ["gpipe", "1f1b", "interleaved", "kfkb", "chimera", "zb-h1", "zb-v"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "kfkb", "chimera", "zb-h1", "zb-v", "dualpipe-v"]
 
 
 def time_schedules(p, m, repeats, seq, d_model, mb_size):

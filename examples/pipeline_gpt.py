@@ -31,7 +31,7 @@ def single_device_step(model, optimizer, loss, x, y, m):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved", "kfkb", "zb-h1", "zb-v"])
+    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved", "kfkb", "zb-h1", "zb-v", "dualpipe-v"])
     parser.add_argument("--balance", default=None, choices=[None, "bpipe"], type=lambda s: None if s == "none" else s)
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--blocks", type=int, default=4)

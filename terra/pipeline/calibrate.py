@@ -2,8 +2,9 @@
 schedule with its own measured action times and byte sizes, to set beside what it measured.
 
 Each stage's F, B and W is timed alone on its device with its compiled programs (median of
-``repeats`` after warm-up; B and W separately where the schedule splits the backward, else the
-whole backward as B). Bytes are the built stages' packs and the ledger's static bytes per rank.
+``repeats`` after warm-up; B and W separately where the schedule splits backwards (an unsplit B
+of such a schedule, as DualPipeV's steady state has, is then costed B + W), else the whole
+backward as B). Bytes are the built stages' packs and the ledger's static bytes per rank.
 The prediction assumes each rank has its device to itself: ranks sharing cores (logical CPUs on
 a small machine) run slower than predicted by about the ratio of ranks to cores.
 """

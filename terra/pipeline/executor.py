@@ -49,6 +49,8 @@ def _schedules():
     if hasattr(s, "zb_h1"):
         table["zb-h1"] = lambda p, m, o: s.zb_h1(p, m)
         table["zb-v"] = lambda p, m, o: s.zb_v(p, m)
+    if hasattr(s, "dualpipe_v"):
+        table["dualpipe-v"] = lambda p, m, o: s.dualpipe_v(p, m)
     return table
 
 
@@ -473,7 +475,6 @@ class PipelineTrainer:
         state, specs = self._start(x, y)
         if self._built_for != specs:
             self._build(*specs)
-        sch = self.schedule
         state.seed = float(self._loss_scaler.scale_loss(state.seed))
         start = time.perf_counter()
         self._run_ranks(state, _StepState.run_rank)

@@ -18,12 +18,12 @@ allocator: a GPU, or a CPU in a process of its own with ``TF_CPU_ALLOCATOR_USE_B
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, asdict
 from typing import Optional, Sequence
 
 import tensorflow as tf
 
-from terra.pipeline.actions import B, EVICT, F, LOAD, W
+from terra.pipeline.actions import EVICT, F, LOAD, W
 
 FIELDS = ("weights", "optimizer", "grads", "held", "accepted")
 

@@ -21,7 +21,7 @@ from terra.pipeline.executor import PipelineTrainer, check_devices, full_device_
 from terra.pipeline.keras_graph import LayerGraph
 
 #: Schedules that run one copy of the model (Chimera runs two: use `PipelineTrainer`).
-PLANNED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "kfkb", "zb-h1", "zb-v")
+PLANNED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "kfkb", "zb-h1", "zb-v", "dualpipe-v")
 
 
 def _default_devices(p: int) -> list[str]:

@@ -22,15 +22,18 @@ needs_netns = pytest.mark.skipif(not _unshare_works(), reason="needs `unshare -r
 
 
 @needs_netns
-def test_four_workers_1f1b_bpipe_and_zero_bubble_match_single_device():
+def test_four_workers_1f1b_bpipe_zero_bubble_and_dualpipe_v_match_single_device():
     report = cluster.run_isolated(["demo", "--workers", "4", "--microbatches", "8", "--schedules",
-                                   "1f1b,1f1b+bpipe,zb-h1,zb-v"], timeout=300)
+                                   "1f1b,1f1b+bpipe,zb-h1,zb-v,dualpipe-v"], timeout=300)
     runs = report["runs"]
-    for name in ("zb-h1", "zb-v"):   # split backward on remote workers; ZB-V: 8 model parts
+    # split backward on remote workers; ZB-V and DualPipeV: 8 model parts, DualPipeV's B split
+    # only in its ramps (whole backwards in the steady state)
+    for name in ("zb-h1", "zb-v", "dualpipe-v"):
         assert runs[name]["grad_err"] < 1e-5, (name, runs[name]["grad_err"])
         assert runs[name]["loss"] == pytest.approx(runs[name]["ref_loss"], abs=1e-5)
     assert runs["zb-h1"]["ledger_peak_packs"] == [4, 4, 4, 4]
     assert runs["zb-v"]["ledger_peak_packs"] == [8, 8, 8, 8]
+    assert runs["dualpipe-v"]["ledger_peak_packs"] == [9, 9, 9, 9]
     for name in ("1f1b", "1f1b+bpipe"):
         run = runs[name]
         assert run["grad_err"] < 1e-5, (name, run["grad_err"])

@@ -2,7 +2,6 @@
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from terra.pipeline import executor as ex
 from terra.pipeline import stage as st
@@ -40,11 +39,11 @@ def _run(p, schedule, balance, m=8, **options):
 
 
 CASES = [("1f1b", {}), ("gpipe", {}), ("interleaved", {"v": 2}), ("kfkb", {"k": 2}), ("chimera", {}),
-         ("zb-h1", {}), ("zb-v", {})]
+         ("zb-h1", {}), ("zb-v", {}), ("dualpipe-v", {})]
 # The default suite runs each schedule once (BPipe where it moves something); the rest is slow.
 # BPipe moves nothing on ZB-H1 and ZB-V: every rank already holds p micro-batches at its peak.
 DEFAULT = {("gpipe", None), ("interleaved", "bpipe"), ("kfkb", "bpipe"), ("chimera", "bpipe"),
-           ("zb-h1", None), ("zb-v", None)}
+           ("zb-h1", None), ("zb-v", None), ("dualpipe-v", None)}
 
 
 def _four(schedule, options, balance):
@@ -54,10 +53,11 @@ def _four(schedule, options, balance):
         assert moves > 0, "BPipe should move activations on 4 stages"
     if balance is None:
         assert moves == 0
-    split = schedule.startswith("zb")
+    split = schedule.startswith("zb") or schedule == "dualpipe-v"
     assert all((part.program._split is not None) == split for part in trainer.parts)
     if split and balance is None:  # packs live until their W: p per rank at the peak
-        assert [r["peak_packs"] for r in trainer.memory_report()] == [8 if schedule == "zb-v" else 4] * 4
+        peak = {"zb-v": 8, "dualpipe-v": 9}.get(schedule, 4)   # V: 2p (+1) half-size stages
+        assert [r["peak_packs"] for r in trainer.memory_report()] == [peak] * 4
     return trainer
 
 

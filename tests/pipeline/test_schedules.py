@@ -8,8 +8,9 @@ import pytest
 
 from terra.pipeline import B, F, W, Action, Schedule
 from terra.pipeline.passes import add_evict_load, live_counts
-from terra.pipeline.schedules import (chimera, from_orders, gpipe, interleaved_1f1b, kfkb,
-                                      one_f_one_b, zb_h1, zb_v)
+from terra.pipeline.schedules import (chimera, dualpipe_v, from_orders, gpipe, interleaved_1f1b,
+                                      kfkb, one_f_one_b, zb_h1, zb_v)
+from terra.pipeline.simulate import simulate
 from terra.pipeline.validate import problems
 
 PS = range(2, 17)
@@ -57,7 +58,7 @@ def check_invariants(s: Schedule):
             if Action(stage, W, mb) in where:
                 assert where[Action(stage, W, mb)] > b
     weights = sum(1 for a in where if a.kind is W)
-    assert weights in (0, s.m * depth), "split all backwards or none"
+    assert weights <= s.m * depth   # each W belongs to a B (checked above); DualPipeV splits some
     assert len(where) == 2 * s.m * depth + weights
     # deadlock freedom without the clock: each rank blocks on its next action
     orders = [[a for a in s.compute[r] if a is not None] for r in range(s.p)]
@@ -260,7 +261,42 @@ def test_zb_v_rank_orders():
                     "1F0 2F0 1F1 2F1 2B0 2W0 1F2 1B0 1W0 2F2 2B1 2W1 1B1 2B2 1B2 1W1 2W2 1W2"]
 
 
-@pytest.mark.parametrize("make", [zb_h1, zb_v])
+@pytest.mark.parametrize("p,m", PLAIN_CASES)
+def test_dualpipe_v(p, m):
+    s = dualpipe_v(p, m)
+    check_invariants(s)
+    assert s.num_stages == s.pipe_depth == 2 * p and s.v == 2
+    assert s.stage_ranks == tuple(range(p)) + tuple(reversed(range(p)))
+    split = s.split
+    if m >= 2 * p:
+        assert peaks(s) == [2 * p + 1] * p        # one half-size stage above ZB-V
+        assert s.steps == 4 * m + 2 * p - 1         # rank 0 never idles: 4m Fs and Bs, 2p-1 Ws
+        assert simulate(s).step_time == 6 * m + p - 1   # ZB-V's time with F = B = W
+        # only the ramps split: rank r defers 2p - r - 1 Ws, the rest are whole backwards
+        for r in range(p):
+            assert sum(1 for a in s.compute_order(r) if a.kind is W) == 2 * p - r - 1
+        assert len(split) == sum(2 * p - r - 1 for r in range(p))
+
+
+def test_dualpipe_v_rank_orders():
+    """p = 2, m = 4, worked by hand from the reference's eight steps: rank 0 runs 2 down Fs, a
+    down/up F pair, one up B (split) + its W + up F, the main step (F down, B up, F up, B down),
+    B up + F up + B down, then B up, a split B down, a W, a split B down and the last W. Rank 1
+    (the V's turn) pairs its forwards at once and splits only its last up and down Bs."""
+    s = dualpipe_v(2, 4)
+    text = [" ".join(map(str, s.compute_order(r))) for r in range(2)]
+    assert text == ["0F0 0F1 0F2 3F0 3B0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0B2 0W2 0B3 0W3",
+                    "1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2B3 1B3 2W3 1W3"]
+
+
+def test_dualpipe_v_below_its_reference_size():
+    """The reference needs m >= 2p; below it the orders cut from the 2p one stay valid."""
+    for p in range(1, 9):
+        for m in range(1, 2 * p):
+            check_invariants(dualpipe_v(p, m))
+
+
+@pytest.mark.parametrize("make", [zb_h1, zb_v, dualpipe_v])
 def test_zero_bubble_rejects_bad_sizes(make):
     with pytest.raises(ValueError, match="positive int"):
         make(4, 0)
@@ -271,7 +307,7 @@ def test_bpipe_on_zero_bubble_moves_nothing():
     mu_opt is one above every peak and the pass adds no transfer; below it, the partner is
     full too."""
     from terra.pipeline.passes import Infeasible
-    for s in (zb_h1(4, 8), zb_v(4, 8)):
+    for s in (zb_h1(4, 8), zb_v(4, 8), dualpipe_v(4, 8)):
         out = add_evict_load(s)
         assert not out.has_transfers and out.compute == s.compute
     assert add_evict_load(zb_h1(4, 8)).name == "bpipe(mu=5, zb-h1)"
@@ -286,13 +322,16 @@ def test_zero_bubble_sweep():
     from terra.pipeline.validate import problems as check
     for p in range(2, 17):
         for m in range(p, 4 * p + 1):
-            h1, v = zb_h1(p, m), zb_v(p, m)
+            h1, v, dp = zb_h1(p, m), zb_v(p, m), dualpipe_v(p, m)
             check_invariants(h1)
             check_invariants(v)
+            check_invariants(dp)
+            if m >= 2 * p:
+                assert dp.steps == 4 * m + 2 * p - 1 and peaks(dp) == [2 * p + 1] * p
             assert h1.steps == 3 * m + p - 1 and peaks(h1) == [p] * p
             if m >= 2 * p - 1:
                 assert v.steps == 6 * m + p - 1 and peaks(v) == [2 * p] * p
-            for s in (h1, v):
+            for s in (h1, v, dp):
                 out = add_evict_load(s)
                 assert not out.has_transfers and check(out) == []
 

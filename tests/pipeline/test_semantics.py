@@ -280,7 +280,8 @@ def test_a_loss_scale_optimizer_seeds_every_stage_with_its_one_scale():
 
 
 @pytest.mark.parametrize("name,options", [("gpipe", {}), ("1f1b", {}), ("interleaved", {"v": 2}), ("kfkb", {"k": 2}),
-                                          ("chimera", {}), ("zb-h1", {}), ("zb-v", {})])
+                                          ("chimera", {}), ("zb-h1", {}), ("zb-v", {}),
+                                          ("dualpipe-v", {})])
 def test_every_schedule_runs_each_stages_forwards_in_microbatch_order(name, options):
     """What makes a stage's Dropout draws and BatchNorm updates those of one device: a stage's
     stateful layers see micro-batches 0, 1, ... in order (BPipe moves packs, never forwards)."""

@@ -16,6 +16,14 @@ gradient: needed only by the optimizer step), and the Ws fill what would be bubb
   first micro-batch needs to reach the last rank) for ``6m`` units of work once
   ``m >= 2p - 1``; its peak is ``2p`` stage activations, i.e. ``p`` of the undivided model part,
   as 1F1B's stage 0.
+* `dualpipe_v`: DeepSeek's DualPipeV ("DualPipe cut in half", the DualPipe schedule of
+  DeepSeek-V3 folded onto ``p`` ranks in the same V as ZB-V), as torch.distributed.pipelining's
+  ScheduleDualPipeV and DeepSeek's reference ``dualpipev.py`` order it: the steady state pairs a
+  forward of one stage with a *whole* backward (B with its W in the same action) of the other
+  (in DualPipe those two overlap their computation with each other's communication; here they run
+  one after the other), and only the ramp up and the ramp down split backwards into B and W, whose
+  Ws then fill the ramp's gaps. So it keeps far fewer deferred Ws than ZB-V (at most ``p - r``
+  on rank ``r`` instead of one per stage in the cool-down) at the price of a longer step.
 """
 from __future__ import annotations
 
@@ -84,3 +92,74 @@ def zb_v(p: int, m: int) -> Schedule:
     orders = [zb_v_order(r, p, m) for r in range(p)]
     stage_ranks = list(range(p)) + list(reversed(range(p)))
     return from_orders("zb-v", p, m, orders, stage_ranks=stage_ranks, pipe_depth=2 * p, v=2)
+
+
+def dualpipe_v_order(rank: int, p: int, m: int) -> list[Action]:
+    """Rank's DualPipeV order: the eight steps of the reference implementation. It is generated
+    for ``max(m, 2p)`` micro-batches (the reference requires that many) and the extra ones are
+    dropped. A B marked zero-bubble gets a W later (one queue of deferred Ws per rank, oldest
+    first, as the reference's WeightGradStore); any other B is a whole backward."""
+    n = max(m, 2 * p)
+    down, up = rank, 2 * p - 1 - rank
+    count = {(s, k): 0 for s in (down, up) for k in (F, B)}
+    deferred: list[tuple[int, int]] = []
+    order: list[Action] = []
+
+    def f(stage):
+        order.append(Action(stage, F, count[stage, F]))
+        count[stage, F] += 1
+
+    def b(stage, split=False):
+        mb = count[stage, B]
+        order.append(Action(stage, B, mb))
+        count[stage, B] += 1
+        if split:
+            deferred.append((stage, mb))
+
+    def w():
+        stage, mb = deferred.pop(0)
+        order.append(Action(stage, W, mb))
+
+    for _ in range(2 * (p - rank - 1)):      # 1: down forwards
+        f(down)
+    for _ in range(rank + 1):                # 2: down/up forward pairs
+        f(down)
+        f(up)
+    for _ in range(p - rank - 1):            # 3: up B (split), a W, an up F
+        b(up, split=True)
+        w()
+        f(up)
+    for _ in range(n - 2 * p + rank + 1):    # 4: F down + B up, F up + B down
+        f(down)
+        b(up)
+        f(up)
+        b(down)
+    for _ in range(p - rank - 1):            # 5: B up, then F up + B down
+        b(up)
+        f(up)
+        b(down)
+    split = False                            # 6: B up, B down; the second half split
+    for i in range(rank + 1):
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            split = True
+        b(up, split)
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            split = True
+        b(down, split)
+    for _ in range(p - rank - 1):            # 7: a W, a down B (split)
+        w()
+        b(down, split=True)
+    while deferred:                          # 8: the remaining Ws
+        w()
+    return [a for a in order if a.microbatch < m]
+
+
+def dualpipe_v(p: int, m: int) -> Schedule:
+    """DualPipeV over ``p`` ranks (stages ``r`` and ``2p - 1 - r`` on rank ``r``, as ZB-V: ``2p``
+    model parts) and ``m`` micro-batches (any m >= 1; the reference schedule wants ``m >= 2p``,
+    below that the orders are cut from the ``2p`` one)."""
+    check_positive(p=p, m=m)
+    orders = [dualpipe_v_order(r, p, m) for r in range(p)]
+    stage_ranks = list(range(p)) + list(reversed(range(p)))
+    return from_orders("dualpipe-v", p, m, orders, stage_ranks=stage_ranks, pipe_depth=2 * p,
+                       v=2)
