@@ -277,7 +277,24 @@ class Path:
                     self.outside_reads.add(f.ref)
 
     def absorb_fetch(self, ref, after_record: int) -> None:
-        """A value Python read outside units, in an iteration that fell back at that read."""
+        """A value Python read outside units, in an iteration that fell back at that read.
+
+        The same output of every other op issued from the same place (equal `Location.site`:
+        the other passes of a Python loop) is fetched too, right after its op: a loop that
+        reads a value in one pass reads it in every pass, and learning those reads one fallback
+        and one rebuild at a time would cost a fallback per pass. Tracing cannot see such reads
+        beforehand when NumPy takes a tensor through the buffer protocol (`np.squeeze(t)` calls
+        no Python method of the tensor); skip mode sees them on its placeholders."""
+        self._add_fetch(ref, after_record)
+        records = self.trace.records
+        read = records[ref.record]
+        where = read.location.site
+        for rec in records:
+            if rec.index != ref.record and rec.op_type == read.op_type and \
+                    ref.index < len(rec.outputs) and rec.location.site == where:
+                self._add_fetch(OutputRef(rec.index, ref.index), rec.index + 1)
+
+    def _add_fetch(self, ref, after_record: int) -> None:
         prev = self.fetch_points.get(ref)
         self.fetch_points[ref] = after_record if prev is None else min(prev, after_record)
         self.outside_reads.add(ref)

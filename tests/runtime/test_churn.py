@@ -1,0 +1,96 @@
+"""Sites whose paths keep changing, and values NumPy reads in every pass of a loop.
+
+A Python loop under the tape whose trip count changes every iteration (an episode until `done`)
+gives a new path each time: the site gives up once graphs built for paths seen once never ran,
+well before its build limit. A few trip counts in turn are paths seen twice: they compile.
+NumPy reads tensors through the buffer protocol, which tracing cannot see: the first compiled
+iteration finds the read, and one fallback teaches the path every pass's read."""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import terra  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    terra.reset()
+    yield
+    terra.reset()
+
+
+def _program(Tape, lengths, read=False):
+    """One step per entry of `lengths`: that many passes of a Keras layer under the tape; with
+    `read`, Python takes every pass's output as a NumPy array (as a policy samples an action)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3, activation="softmax")])
+    opt = keras.optimizers.SGD(0.1)
+    x0 = tf.constant(np.random.default_rng(0).normal(size=(1, 3)).astype("float32"))
+    losses, seen = [], []
+    for n in lengths:
+        with Tape() as tape:
+            h, total = x0, 0.0
+            for _ in range(n):
+                h = model(h)
+                if read:
+                    seen.append(np.squeeze(h).copy())
+                total += tf.reduce_sum(h * h)
+        grads = tape.gradient(total, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        losses.append(float(total))
+    return losses, seen, [v.numpy() for v in model.variables]
+
+
+def _counts():
+    s = terra.stats()
+    return s["traces"], s["fallbacks"], s["graph_builds"]
+
+
+def _same(got, eager):
+    """Equal to eager; the graph's softmax rounds an ulp differently from eager's kernel."""
+    np.testing.assert_allclose(got[0], eager[0], rtol=1e-6, atol=0)
+    assert len(got[1]) == len(eager[1])
+    for a, b in zip(got[1], eager[1]):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+    for a, b in zip(got[2], eager[2]):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+
+
+def test_numpy_reads_in_every_pass_are_learned_in_one_fallback():
+    lengths = [4] * 12
+    eager = _program(tf.GradientTape, lengths, read=True)
+    got = _program(tf.TerraGradientTape, lengths, read=True)
+    terra.end_iteration()
+    _same(got, eager)
+    why = terra.explain()
+    assert why.count("value needed by Python that the graph does not fetch") == 1, why
+    assert _counts() == (4, 1, 2), why
+    assert "site stays eager" not in why, why
+
+
+def test_a_new_trip_count_every_step_stays_eager_after_four_unused_builds():
+    lengths = [2, 2, 2] + list(range(3, 15))   # the first step also makes the optimizer's state
+    eager = _program(tf.GradientTape, lengths)
+    got = _program(tf.TerraGradientTape, lengths)
+    terra.end_iteration()
+    _same(got, eager)
+    why = terra.explain()
+    assert "site stays eager: 5 graph builds served 0 compiled iterations: its paths keep " \
+           "changing" in why, why
+    assert _counts() == (7, 4, 5), why   # builds: p1 (seen twice), then 4 paths seen once
+
+
+def test_a_few_trip_counts_in_turn_keep_compiling():
+    lengths = [2, 3, 4, 5] * 6
+    eager = _program(tf.GradientTape, lengths)
+    got = _program(tf.TerraGradientTape, lengths)
+    terra.end_iteration()
+    _same(got, eager)
+    why = terra.explain()
+    assert "site stays eager" not in why, why
+    assert _counts() == (9, 3, 4), why
