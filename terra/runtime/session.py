@@ -56,8 +56,8 @@ from terra.tracing.locations import caller_step_try
 
 # ------------------------------------------------------------------------------------ session
 _BUILDS_PER_TRACE_LIMIT = 2  # a site stays eager after this many builds per `max_traces`
-# ... or once this many paths seen once were built and never ran, when its graphs served fewer
-# compiled iterations than a quarter of its builds (every episode of another length)
+# ... or once this many paths seen once were built while no graph of the site ever served an
+# iteration (every episode of another length)
 _CHURN_BUILDS = 4
 
 
@@ -412,14 +412,15 @@ class Session:
                           if p.graph is not None and p.count == 1 and not p.hits)
         if site.eager_reason is None and (
                 site.builds >= _BUILDS_PER_TRACE_LIMIT * CONFIG.max_traces or
-                unused_once >= _CHURN_BUILDS and 4 * hits < site.builds):
+                unused_once >= _CHURN_BUILDS and not hits):
             # its paths keep changing (an episode of another length every step): each new path
             # costs a build and a fallback, more than running the site eagerly. Graphs built for
-            # paths seen once (after the site compiled) that never served an iteration, while
-            # the site's graphs served fewer than a quarter as many iterations as were built,
-            # say so early; paths seen twice (a few branches or lengths in turn) do not count
-            self._go_eager(site, it.number, f"{site.builds} graph builds served {hits} "
-                           f"compiled iteration{'s' * (hits != 1)}: its paths keep changing")
+            # paths seen once (after the site compiled) when no graph of the site ever served an
+            # iteration say so early; paths seen twice (a few branches or lengths in turn) do
+            # not count, nor does a site whose graphs run at times (a random branch among many:
+            # each path is built once and served from then on)
+            self._go_eager(site, it.number, f"{site.builds} graph builds served no compiled "
+                           f"iteration: its paths keep changing")
         if site.fallbacks - site.known_fallbacks >= CONFIG.max_fallbacks and \
                 site.eager_reason is None:
             self._go_eager(site, it.number, f"{site.fallbacks - site.known_fallbacks} fallbacks")

@@ -36,7 +36,7 @@ COUNTS = {
 # run) the site stays eager. Its first compiled episode reads the action probabilities of every
 # step through NumPy (the buffer protocol, invisible while tracing): one fallback teaches the
 # path every step's read.
-EAGER_BECAUSE = {"actor_critic": "6 graph builds served 0 compiled iterations: its paths keep "
+EAGER_BECAUSE = {"actor_critic": "6 graph builds served no compiled iteration: its paths keep "
                                  "changing"}
 FAST = {"scratch_mnist", "custom_walkthrough", "cvae", "text_generation", "actor_critic",
         "style_transfer"}

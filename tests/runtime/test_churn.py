@@ -80,7 +80,7 @@ def test_a_new_trip_count_every_step_stays_eager_after_four_unused_builds():
     terra.end_iteration()
     _same(got, eager)
     why = terra.explain()
-    assert "site stays eager: 5 graph builds served 0 compiled iterations: its paths keep " \
+    assert "site stays eager: 5 graph builds served no compiled iteration: its paths keep " \
            "changing" in why, why
     assert _counts() == (7, 4, 5), why   # builds: p1 (seen twice), then 4 paths seen once
 
