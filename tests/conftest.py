@@ -3,6 +3,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 # The pipeline tests place stages on logical CPUs; TF can split the CPU only before the first op
@@ -12,3 +13,14 @@ try:
     tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 8)
 except RuntimeError:  # devices already initialized (e.g. a plugin imported TF and ran an op)
     pass
+
+
+@pytest.fixture
+def fresh_terra():
+    """Terra reset before and after the test: no site, path, graph or unit patch is left from
+    another test, and none of this test's is left for the next (`pytestmark =
+    pytest.mark.usefixtures("fresh_terra")` in a module)."""
+    import terra   # here, not at import: the pipeline tests never load the runtime
+    terra.reset()
+    yield
+    terra.reset()

@@ -4,8 +4,9 @@ On a divergence the graph is cancelled, the variables it may have written are re
 snapshot taken at iteration start, and the ops the skeleton already matched (the "prefix") are
 replayed eagerly, op by op, through TF's own execute path and recorded on the active gradient
 tapes exactly as eager would have recorded them. Every placeholder the program holds is then bound
-to its real value, and a `ContinuingRecorder` continues the iteration in the tracing phase with
-the prefix already in its trace, so the finished trace is identical to one recorded eagerly.
+to its real value, and a `ContinuingRecorder` (terra/tracing/recorder.py, seeded with the prefix)
+continues the iteration in the tracing phase, so the finished trace is identical to one recorded
+eagerly.
 
 Why a snapshot rather than gating writes on "reached" tokens (ARCHITECTURE.md §2): a snapshot is
 one graph call that reads every written variable; the reads share buffers with the variables and
@@ -16,18 +17,13 @@ co-execution gains most; see benchmarks/results/coexec.md for the measured snaps
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import tensorflow as tf
 
 from terra import _tf_private as tfp
 from terra.ir.op_kinds import HOST_OPS
-from terra.ir.records import (ConstRef, Feed, FeedRef, Fetch, OutputRef, TensorSpec, Trace,
-                               VariableRef)
+from terra.ir.records import ConstRef, FeedRef, OutputRef, Trace, VariableRef
 from terra.runtime.placeholders import Placeholder
-
-from terra.tracing.recorder import Recorder, frozen_value
 
 # Ops whose first input is a variable they update (anything else taking a variable only reads).
 _READ_ONLY = frozenset({"ReadVariableOp", "VariableShape", "VarIsInitializedOp",
@@ -249,156 +245,6 @@ class EagerReplay:
                 tfp.PlainGradientTape.watch(tape, t)
 
 
-# ------------------------------------------------------------------------------------ recorder
-def _as_replayed(rec, env):
-    """`rec` with the output shapes its replay gave: an op whose output shape depends on data
-    (`tf.where`) or on a value (`tf.range(n)`) may have had another shape when first traced."""
-    outs = rec.outputs
-    for j, spec in enumerate(outs):
-        v = env.get((rec.index, j))
-        shape = getattr(v, "shape", None)
-        if shape is not None and spec.shape is not None and tuple(shape) != spec.shape:
-            outs = outs[:j] + (TensorSpec(spec.dtype, tuple(shape)),) + outs[j + 1:]
-    return rec if outs is rec.outputs else dataclasses.replace(rec, outputs=outs)
-
-
-class ContinuingRecorder(Recorder):
-    """A Recorder that understands placeholders (by their real value) and can start from a prefix
-    of an earlier trace; it stops recording (marking the trace unsupported) past `max_ops`."""
-
-    def __init__(self, site, max_ops: int = 50000):
-        super().__init__(site)
-        self.max_ops = max_ops
-        self.units: dict = {}   # start -> GradUnit
-        self.too_long = False
-        self.in_unit = False   # inside tape.gradient / apply_gradients (TF's own constants)
-        self.unit_depth = 0    # inside any coarse unit being recorded (its reads: Fetch.in_unit)
-        self.muted = 0         # inside Terra's own reads (not fetches)
-        self.unit_reads = None  # while a coarse unit's Python runs: its (ref, value) reads
-
-    def seed(self, trace: Trace, upto: int, feed_values: dict, env: dict, placeholders: dict,
-             units: dict, fetches=(), replay=None, born=None) -> None:
-        """Start from `trace.records[:upto]` whose outputs are `env[(record, index)]`."""
-        t = self.trace
-        t.records = [_as_replayed(r, env) for r in trace.records[:upto]]
-        used = sorted(feed_values)
-        if used != list(range(len(used))):
-            raise ValueError(f"fallback: fed slots {used} are not a prefix of the feed table")
-        t.feeds = [Feed(s, trace.feeds[s].spec, trace.feeds[s].source) for s in used]
-        t.feed_values = [feed_values[s] for s in used]
-        for s in used:
-            v = feed_values[s]
-            self._feeds[id(v)] = (v, FeedRef(s))
-            if isinstance(v, Placeholder) and v.is_materialized:
-                real = v._terra_materialize()
-                self._feeds[id(real)] = (real, FeedRef(s))
-        t.variables = dict(trace.variables)
-        for key, var in trace.variables.items():
-            if isinstance(var, tfp.BaseResourceVariable):
-                self._handles[key] = (var.handle, var)
-        t.functions = dict(trace.functions)
-        t.fast_fallbacks = [i for i in trace.fast_fallbacks if i < upto]
-        t.unseeded_random = [i for i in trace.unseeded_random if i < upto]
-        t.fetches = list(fetches)
-        for (i, j), value in env.items():
-            self._produced[id(value)] = (value, OutputRef(i, j))
-        self.units = {s: u for s, u in units.items() if u.end <= upto}
-        for key, (t, value) in (born or {}).items():  # converted while skipping: constants
-            self._born[key] = (t, value)
-        if replay is not None:  # tensors the replay made: tapes hold them, gradients read them
-            for ref, c in replay.consts.items():
-                self._born[id(c)] = (c, ref.value)
-            for slot, t in replay.converted.items():
-                self._feeds[id(t)] = (t, FeedRef(slot))
-        self._keep = (env, placeholders)
-
-    def _ref(self, v, dtype):
-        if isinstance(v, Placeholder):
-            v = v._terra_materialize()
-        if not self.in_unit:  # NumPy values are data; inside tape.gradient, TF's shape constants
-            return super()._ref(v, dtype)
-        known = self._feeds.get(id(v)) or self._produced.get(id(v))
-        if known is not None and known[0] is v:  # data the forward pass already fed or made
-            return super()._ref(v, dtype)
-        if isinstance(v, tfp.EagerTensorBase) and v.dtype.is_integer and \
-                v.shape.num_elements() <= self.const_limit and id(v) not in self._born:
-            # an integer tensor gradient code made invisibly (TF's caches): a shape constant,
-            # fixed for a path (its feed shapes are part of the path's signature)
-            return ConstRef(frozen_value(v.numpy(), v.dtype.name), v.dtype.name)
-        if isinstance(v, tfp.EagerTensorBase):
-            born = self._born.get(id(v))
-            if born is not None and born[0] is v and isinstance(born[1], (np.ndarray, np.generic)) \
-                    and born[1].size <= self.const_limit and v.dtype.name != "string":
-                return ConstRef(frozen_value(born[1], v.dtype.name), v.dtype.name)
-        elif isinstance(v, (np.ndarray, np.generic)) and v.size <= self.const_limit and \
-                v.dtype.kind in "biuf":
-            d = dtype or tf.as_dtype(v.dtype).name
-            return ConstRef(frozen_value(v, d), d)
-        return super()._ref(v, dtype)
-
-    def fetch(self, tensor, how: str) -> None:
-        if self.muted:
-            return
-        ref = self.ref_of(tensor)
-        if ref is not None:
-            self.trace.fetches.append(Fetch(ref, len(self.trace.records), how,
-                                            self.unit_depth > 0))
-        if self.unit_reads is not None:
-            real = tensor._terra_materialize() if isinstance(tensor, Placeholder) else tensor
-            if ref is None:
-                e = self._feeds.get(id(real))
-                ref = e[1] if e is not None and e[0] is real else None
-            if ref is not None:
-                self.unit_reads.append((ref, np.array(real.numpy())))
-
-    def ref_of(self, tensor):
-        if isinstance(tensor, Placeholder):
-            tensor = tensor._terra_materialize()
-        return super().ref_of(tensor)
-
-    def op(self, op_type, inputs, attrs, route, run):
-        if route == "fast" and not self.too_long and (_reads_raw_variable(op_type, inputs) or (
-                tfp.execute_module.must_record_gradient() and _has_raw_value(inputs))):
-            # C++ would read the variable invisibly; the wrapper's slow path reads it in Python,
-            # where the read is an op we record (and the tape sees the same value).
-            self._fast_failed = op_type
-            raise tfp.FallbackException()
-        if self.too_long:
-            return run()
-        if len(self.trace.records) >= self.max_ops:
-            self.too_long = True
-            self.trace.unsupported.append(f"more than {self.max_ops} ops in one iteration")
-            return run()
-        return super().op(op_type, inputs, attrs, route, run)
-
-
-def _has_raw_value(inputs) -> bool:
-    """A Python or NumPy value the C fast path would convert invisibly (a tape keeps the
-    converted tensor, and its gradient would read a tensor no record produced)."""
-    for v in inputs:
-        for e in (v if isinstance(v, (list, tuple)) else (v,)):
-            if not isinstance(e, (tf.Tensor, tfp.BaseResourceVariable)) and \
-                    not hasattr(e, "handle") and e is not None:
-                return True
-    return False
-
-
-def _reads_raw_variable(op_type, inputs) -> bool:
-    op_def = tfp.get_op_def(op_type)
-    if op_def is None:
-        return False
-    for arg, v in zip(op_def.input_arg, inputs):
-        if arg.type == _DT_RESOURCE:
-            continue
-        for e in (v if isinstance(v, (list, tuple)) else (v,)):
-            if isinstance(e, tfp.BaseResourceVariable):
-                return True
-    return False
-
-
-_DT_RESOURCE = tf.resource.as_datatype_enum
-
-
 def bind_placeholders(placeholders: dict, env: dict) -> None:
     """Make every placeholder of the iteration forward to its replayed value."""
     for key, ph in placeholders.items():
@@ -407,5 +253,4 @@ def bind_placeholders(placeholders: dict, env: dict) -> None:
             ph._terra_bind(value)
 
 
-__all__ = ["written_variables", "Snapshot", "EagerReplay", "ContinuingRecorder",
-           "bind_placeholders"]
+__all__ = ["written_variables", "Snapshot", "EagerReplay", "bind_placeholders"]

@@ -63,7 +63,7 @@ def held_refs(recorder) -> set:
     for t, _ in d.values():
         base = sys.getrefcount(t)
     out = set()
-    for t, ref in recorder._produced.values():
+    for t, ref in recorder.produced():
         if sys.getrefcount(t) > base:
             out.add(ref)
     return out

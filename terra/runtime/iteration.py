@@ -12,7 +12,7 @@ import tensorflow as tf
 from terra.config import CONFIG
 from terra.errors import TerraRuntimeError
 from terra.ir.records import FeedRef, OutputRef
-from terra.runtime.fallback import ContinuingRecorder, EagerReplay, Snapshot, bind_placeholders
+from terra.runtime.fallback import EagerReplay, Snapshot, bind_placeholders
 from terra.runtime.executable import Executable, PathRun
 from terra.runtime.graph_runner import extended_error
 from terra.runtime.iteration_end import IterationEnd
@@ -20,6 +20,7 @@ from terra.runtime.placeholders import Placeholder
 from terra.runtime.divergence import Divergence, user_line
 from terra.runtime.python_runner import UNSET, PythonRunner, placeholder_ref
 from terra.tracing import hook
+from terra.tracing.recorder import ContinuingRecorder
 
 
 if TYPE_CHECKING:
@@ -377,7 +378,7 @@ class Iteration(IterationEnd):
             hook.set_active(None)
             rec.start(self.frame)
             hook.set_active(None)  # internal() hands ops to the recorder when Terra's work is done
-            rec._keep = None
+            rec.release_seed()
             self.recorder = rec
             self.mode = "tracing"
         if error is not None:

@@ -170,7 +170,7 @@ class PythonRunner(hook.Interceptor):
                 return run()
             recorder = self.iteration.fallback(d.divergence)
             if route == "fallback" and self._raised == op_type:
-                recorder._fast_failed = op_type  # the record keeps its fast-path-first route
+                recorder.retry_on_slow_route(op_type)
             if route != "fast" and isinstance(inputs, list):
                 # converted inputs may be placeholders (passed through while skipping): the op
                 # now really runs, on their values

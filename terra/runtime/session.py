@@ -35,7 +35,7 @@ from terra.config import CONFIG
 from terra.runtime import units as unit_rules
 from terra.runtime import explain
 from terra.runtime.explain import Counters, Event, EventKind
-from terra.runtime.fallback import ContinuingRecorder, EagerReplay, Snapshot, written_variables
+from terra.runtime.fallback import EagerReplay, Snapshot, written_variables
 from terra.runtime.held import held_refs
 from terra.runtime.interrupts import held_interrupts
 from terra.runtime.iteration import Iteration, with_location
@@ -51,6 +51,7 @@ from terra.runtime.sites import (KNOWN_FALLBACK_GAP, KNOWN_REUSE_GAP, Path, Site
                                  uncompilable, units_for,
                                  variable_renaming)
 from terra.tracing import hook
+from terra.tracing.recorder import ContinuingRecorder
 from terra.tracing.locations import caller_step_try
 
 

@@ -44,10 +44,8 @@ def guard_ref(session, it, x):
         return v
     if isinstance(x, Placeholder):
         x = x._terra_materialize()
-    e = rec._feeds.get(id(x))
-    if e is not None and e[0] is x:
-        return e[1]
-    return ("external", id(x))
+    r = rec.feed_ref(x)
+    return r if r is not None else ("external", id(x))
 
 def gradient(session, tape, target, sources, output_gradients, unconnected_gradients):
     base = tfp.PlainGradientTape.gradient

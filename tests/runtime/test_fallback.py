@@ -12,16 +12,13 @@ import tensorflow as tf  # noqa: E402
 
 import terra  # noqa: E402
 from terra import _tf_private as tfp  # noqa: E402
-from terra.runtime.fallback import (ContinuingRecorder, EagerReplay, Snapshot,  # noqa: E402
+from terra.tracing.recorder import ContinuingRecorder  # noqa: E402
+from terra.runtime.fallback import (EagerReplay, Snapshot,  # noqa: E402
                                     written_variables)
 from terra.runtime.session import SESSION  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    terra.reset()
-    yield
-    terra.reset()
+pytestmark = pytest.mark.usefixtures("fresh_terra")
 
 
 def test_private_tape_api():
