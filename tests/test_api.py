@@ -14,11 +14,7 @@ STATS_KEYS = {"traces", "fallbacks", "graph_builds", "python_exec_s", "python_st
               "graph_exec_s", "graph_stall_s", "phase"}
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    terra.reset()
-    yield
-    terra.reset()
+pytestmark = pytest.mark.usefixtures("fresh_terra")
 
 
 def _train(Tape, steps=6, **tape_kwargs):

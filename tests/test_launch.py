@@ -69,7 +69,7 @@ def _traceback(stderr):
 def test_script_runs_as_main_with_its_argv_and_stats(program, tmp_path):
     r = _run(["-m", "terra", "--stats", str(program / "train.py"), "a", "--b"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert f"argv ['a', '--b'] name __main__ tape terra.tape" in r.stdout
+    assert "argv ['a', '--b'] name __main__ tape terra.tape" in r.stdout
     plain = _run([str(program / "train.py"), "a", "--b"], cwd=tmp_path)
     w = [line for line in plain.stdout.splitlines() if line.startswith("w ")]
     assert w and w[0] in r.stdout.splitlines()  # same result as the plain run

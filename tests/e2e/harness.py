@@ -12,6 +12,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -20,6 +21,32 @@ import terra  # noqa: E402
 RTOL = 1e-5
 
 
+# ------------------------------------------------------------------ shared programs' parts
+def mlp(seed=0, out=1, hidden=8, inp=4):
+    """A seeded two-layer ReLU MLP: two builds with one seed start from identical weights."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.layers.Input((inp,)),
+                             keras.layers.Dense(hidden, activation="relu"),
+                             keras.layers.Dense(out)])
+
+
+def data(steps, batch=8, inp=4, out=1, seed=1):
+    """`steps` batches of (inputs, targets), drawn from `seed`."""
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(steps, batch, inp)).astype(np.float32),
+            rng.normal(size=(steps, batch, out)).astype(np.float32))
+
+
+def weights(*objs):
+    """Copies of every variable of the models, optimizers or variable lists given."""
+    out = []
+    for o in objs:
+        vs = o.variables if hasattr(o, "variables") else o
+        out += [np.array(v.numpy()) for v in vs]
+    return out
+
+
+# ------------------------------------------------------------------ running and checking
 def run_both(program, **config):
     terra.reset()
     old = terra.config(**config) if config else {}

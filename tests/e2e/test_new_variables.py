@@ -17,11 +17,7 @@ from terra.runtime.sites import variable_renaming  # noqa: E402
 from tests.counting import CompileCounter  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    terra.reset()
-    yield
-    terra.reset()
+pytestmark = pytest.mark.usefixtures("fresh_terra")
 
 
 def _epochs(Tape, epochs=5, steps=8):

@@ -18,11 +18,7 @@ from terra.ir.records import (ConstRef, Feed, FeedRef, Location, OpRecord, Outpu
                               TensorSpec, Trace)
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    terra.reset()
-    yield
-    terra.reset()
+pytestmark = pytest.mark.usefixtures("fresh_terra")
 
 
 # ------------------------------------------------------------------ 1. values kept past their path

@@ -19,11 +19,7 @@ from terra import _tf_private as tfp  # noqa: E402
 STEPS = 8
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    terra.reset()
-    yield
-    terra.reset()
+pytestmark = pytest.mark.usefixtures("fresh_terra")
 
 
 def _run(Tape):

@@ -17,11 +17,7 @@ import tensorflow as tf  # noqa: E402
 import terra  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    terra.reset()
-    yield
-    terra.reset()
+pytestmark = pytest.mark.usefixtures("fresh_terra")
 
 
 def _program(Tape, lengths, read=False):

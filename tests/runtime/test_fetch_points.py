@@ -24,11 +24,7 @@ from terra.runtime.session import SESSION  # noqa: E402
 STEPS = 10
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    terra.reset()
-    yield
-    terra.reset()
+pytestmark = pytest.mark.usefixtures("fresh_terra")
 
 
 def _weights(model, opt):

@@ -8,32 +8,10 @@ arguments that retrace or choose another path, a helper that writes a variable, 
 train step wrapped in tf.function with a TerraGradientTape inside (a plain tape there).
 """
 import keras
-import numpy as np
 import tensorflow as tf
 
 import terra
-from tests.e2e.harness import assert_coexecuted, run_both
-
-
-def mlp(seed=0, out=1, hidden=8, inp=4):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.layers.Input((inp,)),
-                             keras.layers.Dense(hidden, activation="relu"),
-                             keras.layers.Dense(out)])
-
-
-def data(steps, batch=8, inp=4, out=1, seed=1):
-    rng = np.random.default_rng(seed)
-    return (rng.normal(size=(steps, batch, inp)).astype(np.float32),
-            rng.normal(size=(steps, batch, out)).astype(np.float32))
-
-
-def weights(*objs):
-    out = []
-    for o in objs:
-        vs = o.variables if hasattr(o, "variables") else o
-        out += [np.array(v.numpy()) for v in vs]
-    return out
+from tests.e2e.harness import assert_coexecuted, data, mlp, run_both, weights
 
 
 # ------------------------------------------------------------------ helper under the tape

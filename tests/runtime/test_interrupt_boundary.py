@@ -23,11 +23,7 @@ from terra.runtime.iteration import Iteration  # noqa: E402
 STEPS = 40
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    terra.reset()
-    yield
-    terra.reset()
+pytestmark = pytest.mark.usefixtures("fresh_terra")
 
 
 def _data():

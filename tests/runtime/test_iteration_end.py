@@ -13,11 +13,7 @@ import tensorflow as tf  # noqa: E402
 import terra  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    terra.reset()
-    yield
-    terra.reset()
+pytestmark = pytest.mark.usefixtures("fresh_terra")
 
 
 def _program(Tape, stateful_prep, steps=18, block=3):

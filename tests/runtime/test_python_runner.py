@@ -16,11 +16,7 @@ from terra.runtime.session import SESSION  # noqa: E402
 from terra.runtime.sites import generalize, path_signature  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    terra.reset()
-    yield
-    terra.reset()
+pytestmark = pytest.mark.usefixtures("fresh_terra")
 
 
 def _steps(n, body):

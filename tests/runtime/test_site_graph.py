@@ -253,7 +253,7 @@ def _late_error(Tape, steps=14, bad=10):
             losses.append(float(loss))
             _sgd(tape, loss, [w, u, v])
             shift.assign_add(tf.reduce_sum(tf.gather(table, idx)) * 1e-3)
-        except tf.errors.InvalidArgumentError as e:
+        except tf.errors.InvalidArgumentError:
             errors.append(i)
             if at_error is None:
                 at_error = [x.numpy() for x in (w, u, v, shift)]
