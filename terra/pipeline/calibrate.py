@@ -5,12 +5,14 @@ Each stage's F, B and W is timed alone on its device with its compiled programs 
 ``repeats`` after warm-up; B and W separately where the schedule splits backwards (an unsplit B
 of such a schedule, as DualPipeV's steady state has, is then costed B + W), else the whole
 backward as B). Bytes are the built stages' packs and the ledger's static bytes per rank.
-The prediction assumes each rank has its device to itself: ranks sharing cores (logical CPUs on
-a small machine) run slower than predicted by about the ratio of ranks to cores.
+By default the prediction assumes each rank has its device to itself; `predict(parallel=...)`
+models ranks that share compute (logical CPUs on one machine: `Costs.parallel`).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 import tensorflow as tf
 
@@ -66,10 +68,15 @@ def stage_costs(trainer, repeats: int = 5) -> Costs:
     return Costs(F=f, B=b, W=w)
 
 
-def predict(trainer, repeats: int = 5) -> Prediction:
+def predict(trainer, repeats: int = 5, parallel: Optional[float] = None,
+            costs: Optional[Costs] = None) -> Prediction:
     """Simulate the trainer's schedule with its measured costs, its packs and its ledger's static
-    bytes (per rank, given to the rank's first stage)."""
-    costs = stage_costs(trainer, repeats)
+    bytes (per rank, given to the rank's first stage). ``parallel``: how many actions the
+    devices run at once at full speed (`Costs.parallel`; None: a device per rank; about 1 where
+    the ranks are logical CPUs of one machine, each action timed alone having used every core).
+    ``costs``: stage costs measured before (`Prediction.costs`), so as not to measure again."""
+    costs = stage_costs(trainer, repeats) if costs is None else costs
+    costs = dataclasses.replace(costs, parallel=parallel)
     sch = trainer.schedule
     static = [0] * sch.num_stages
     for r, entry in enumerate(trainer.ledger.report()):

@@ -44,18 +44,27 @@ class Costs:
     stage (sequence or mapping); an unsplit backward costs ``B + W``. ``per_byte``: time per
     byte between two ranks, one number for every link or ``{(rank, rank): time}`` per link (either
     order; a link the schedule uses must be there); ``message_bytes``: bytes of each stage's
-    output per micro-batch (an int for every stage, or one per stage)."""
+    output per micro-batch (an int for every stage, or one per stage). ``parallel``: how many
+    actions the ranks' devices run at once at full speed (None: every rank has its own device);
+    with ``n`` actions running, each then progresses at ``min(1, parallel / n)`` of its speed
+    alone (ranks sharing cores, as logical CPUs on one machine do: an action timed alone already
+    used every core, so there ``parallel`` is about 1)."""
     F: Cost = 1
     B: Cost = 1
     W: Cost = 1
     per_byte: Union[float, Mapping[tuple, float]] = 0.0
     message_bytes: Bytes = 0
+    parallel: Optional[float] = None
 
     def per_stage(self, stages: int) -> dict:
         """{kind: [time per stage]}, and "bytes": [message bytes per stage]."""
         out = {kind: _per_stage_value(value, stages, f"Costs.{kind.name}")
                for kind, value in ((F, self.F), (B, self.B), (W, self.W))}
         out["bytes"] = _per_stage(self.message_bytes, stages, "Costs.message_bytes")
+        if self.parallel is not None and (isinstance(self.parallel, bool) or not isinstance(
+                self.parallel, (int, float)) or not self.parallel > 0):
+            raise ValueError(f"Costs.parallel must be a positive number or None, got "
+                             f"{self.parallel!r}")
         links = self.per_byte.values() if isinstance(self.per_byte, Mapping) else [self.per_byte]
         if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in links):
             raise ValueError(f"Costs.per_byte must be a non-negative number or a mapping "
@@ -169,6 +178,9 @@ def timing(schedule: Schedule, costs: Optional[Costs] = None):
             return table[B][a.stage] + table[W][a.stage]
         return table[a.kind][a.stage]
 
+    if costs.parallel is not None:
+        return _shared_timing(schedule, costs, table, orders, cost)
+
     times: dict[Action, tuple[float, float]] = {}
     free = [0.0] * schedule.p
     pos = [0] * schedule.p
@@ -190,6 +202,58 @@ def timing(schedule: Schedule, costs: Optional[Costs] = None):
     if any(pos[r] < len(orders[r]) for r in range(schedule.p)):
         return None
     busy = tuple(sum(cost(a) for a in orders[r]) for r in range(schedule.p))
+    return times, max((end for _, end in times.values()), default=0.0), busy
+
+
+def _shared_timing(schedule: Schedule, costs: Costs, table, orders, cost):
+    """`timing` with the ranks sharing ``costs.parallel`` devices' worth of compute: a time-ordered
+    replay in which the running actions progress at ``min(1, parallel / running)`` each."""
+    p, cap = schedule.p, float(costs.parallel)
+    times: dict[Action, tuple[float, float]] = {}
+    pos = [0] * p
+    free = [0.0] * p
+    running: dict[int, list] = {}   # rank -> [action, start, work left]
+    now, eps = 0.0, 1e-12
+
+    def ready_at(r):
+        """When rank r's next action may start (None: a dependency has not finished)."""
+        a = orders[r][pos[r]]
+        deps = action_deps(a, schedule.next_stage, schedule.prev_stage)
+        if not all(d in times for d in deps):
+            return None
+        return max([free[r]] + [times[d][1] + _arrival(costs, table, schedule, d, a, r)
+                                for d in deps])
+
+    while True:
+        waits = []
+        for r in range(p):
+            if r in running or pos[r] >= len(orders[r]):
+                continue
+            t = ready_at(r)
+            if t is None:
+                continue
+            if t <= now + eps:
+                running[r] = [orders[r][pos[r]], now, cost(orders[r][pos[r]])]
+            else:
+                waits.append(t)
+        if not running and not waits:
+            break
+        rate = min(1.0, cap / len(running)) if running else 0.0
+        step = min([w - now for w in waits] +
+                   [left / rate for _, _, left in running.values()] if rate else
+                   [w - now for w in waits])
+        now += step
+        for r in list(running):
+            entry = running[r]
+            entry[2] -= rate * step
+            if entry[2] <= eps:
+                a, start, _ = running.pop(r)
+                times[a] = (start, now)
+                free[r] = now
+                pos[r] += 1
+    if any(pos[r] < len(orders[r]) for r in range(p)):
+        return None
+    busy = tuple(sum(cost(a) for a in orders[r]) for r in range(p))
     return times, max((end for _, end in times.values()), default=0.0), busy
 
 

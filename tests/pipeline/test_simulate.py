@@ -6,7 +6,8 @@ import pytest
 
 from terra.pipeline import Action, Costs, simulate
 from terra.pipeline.passes import add_evict_load
-from terra.pipeline.schedules import chimera, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_v
+from terra.pipeline.schedules import (chimera, dualpipe_v, gpipe, interleaved_1f1b, one_f_one_b,
+                                      zb_h1, zb_v)
 from tests.pipeline.test_validate import edit
 
 
@@ -196,3 +197,28 @@ def test_costs_are_checked_and_deadlocks_have_no_time():
     broken = edit(one_f_one_b(2, 2), 1, {1: "1B0", 2: "1F0"})
     r = simulate(broken)
     assert r.step_time is None and r.bubble is None and r.times is None and not r.ok
+
+
+@pytest.mark.parametrize("make", [gpipe, one_f_one_b, zb_h1, zb_v, dualpipe_v])
+def test_ranks_sharing_compute(make):
+    """`Costs.parallel`: with a device per rank (or more) nothing changes; with one device's worth
+    for all ranks the actions are serialized, and with no transfer time something is always
+    ready, so the step takes exactly the total work; in between it lies between the two."""
+    s = make(4, 8)
+    alone = simulate(s, costs=Costs(F=1.0, B=2.0, W=1.5))
+    total = sum(alone.busy)
+    assert simulate(s, costs=Costs(F=1.0, B=2.0, W=1.5, parallel=4)).step_time == \
+        pytest.approx(alone.step_time)
+    assert simulate(s, costs=Costs(F=1.0, B=2.0, W=1.5, parallel=1)).step_time == \
+        pytest.approx(total)
+    two = simulate(s, costs=Costs(F=1.0, B=2.0, W=1.5, parallel=2)).step_time
+    assert max(alone.step_time, total / 2) - 1e-9 <= two <= total + 1e-9
+    # a transfer on the critical path leaves the shared devices idle while it is on the wire
+    slow = Costs(F=1.0, B=2.0, W=1.5, parallel=1, per_byte=1.0, message_bytes=3)
+    assert simulate(s, costs=slow).step_time > total
+
+
+def test_parallel_is_checked():
+    for bad in (0, -1, True, "2"):
+        with pytest.raises(ValueError, match="Costs.parallel"):
+            simulate(gpipe(2, 2), costs=Costs(parallel=bad))
