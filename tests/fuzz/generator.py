@@ -514,6 +514,16 @@ def _same(a, b, exact):
     return np.allclose(a, b, rtol=1e-5, atol=1e-7, equal_nan=True)
 
 
+def _equal(a, b):
+    """`a == b`, with NaN equal to NaN at any depth (a gradient norm the program logs is NaN
+    after a bad batch, in eager and under Terra alike)."""
+    if isinstance(a, (float, np.floating)) and isinstance(b, (float, np.floating)):
+        return bool(a == b or (a != a and b != b))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
 def compare(eager, got, exact=EXACT):
     """The differences of Terra's outcome from eager's (empty: equal)."""
     problems = []
@@ -527,7 +537,7 @@ def compare(eager, got, exact=EXACT):
             else:
                 same = e is t or (e is not None and t is not None and _same(e, t, exact))
         else:
-            same = e == t
+            same = _equal(e, t)
         if not same:
             gap = _gap(e, t) if key in ("variables", "kept_grads", "losses", "kept") else ""
             problems.append(f"{key}: eager {_show(e)} | terra {_show(t)}{gap}")

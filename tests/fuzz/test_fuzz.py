@@ -113,6 +113,10 @@ def test_the_comparison_reports_every_kind_of_difference():
             "error": None, "end_error": None, "iterations": 2,
             "variables": [np.ones((2, 2), np.float32), np.array([np.nan], np.float32)]}
     assert compare(base, dict(base)) == []  # NaN in the same place is equal
+    # ... also inside a logged tuple (distinct NaN objects: `==` alone says they differ)
+    nan_log = {**base, "log": [("head grad norm", 4, float("nan"))]}
+    assert compare(nan_log, {**base, "log": [("head grad norm", 4, float("nan"))]}) == []
+    assert compare(nan_log, {**base, "log": [("head grad norm", 4, 1.0)]})
     changes = {"losses": [1.0, 0.6], "printed": ["step 0: loss 1.0001"], "log": [],
                "error": ("StepError", 1, 40, "bad step 1"), "end_error": "TerraTimeoutError: x",
                "iterations": 3,
