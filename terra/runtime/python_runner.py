@@ -68,6 +68,22 @@ def _takes_variables(rec, op_type, inputs) -> bool:
     return True
 
 
+_PLAIN = (Placeholder, np.ndarray, np.generic, int, float, complex, bool, str, bytes,
+          type(None))
+
+
+def _may_take_variable(inputs) -> bool:
+    """Whether an op on the fast route, with these unconverted inputs, may read a variable
+    before it runs (an input that is neither a plain value nor a non-resource tensor)."""
+    for x in tf.nest.flatten(inputs) if isinstance(inputs, (list, tuple)) else (inputs,):
+        if isinstance(x, tfp.EagerTensorBase):
+            if x.dtype == tf.resource:
+                return True
+        elif not isinstance(x, _PLAIN):
+            return True
+    return False
+
+
 class _Resolver:
     """Resolves a placeholder through the session (fetch channel, run output, or fallback)."""
 
@@ -150,10 +166,13 @@ class PythonRunner(hook.Interceptor):
             if d.divergence.reason != "graph error":
                 tried = {id(self.iteration.path)}
                 pos = self.pos
-                # (a path whose op here is a variable read may be right: the fast route runs
-                # the reads of variable inputs only after it hands the op to the slow route)
+                # (a path whose op here is a variable read may be right when the op takes a
+                # variable on the fast route: that route runs the reads of variable inputs
+                # only after it hands the op to the slow route)
+                kinds = (op_type, "ReadVariableOp") if route == "fast" and \
+                    _may_take_variable(inputs) else (op_type,)
                 accepts = None if route == "function" else (
-                    lambda q: q.view.records[pos].op_type in (op_type, "ReadVariableOp") and
+                    lambda q: q.view.records[pos].op_type in kinds and
                     _takes_variables(q.view.records[pos], op_type, inputs))
                 while self.iteration.switch(d.divergence, tried=tried, accepts=accepts):
                     try:
