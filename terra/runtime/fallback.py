@@ -17,6 +17,8 @@ co-execution gains most; see benchmarks/results/coexec.md for the measured snaps
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import tensorflow as tf
 
@@ -87,7 +89,22 @@ class HandleVariable:
 
 
 class Snapshot:
-    """Reads a fixed list of variables in one graph call; `restore(values)` writes them back."""
+    """Reads a fixed list of variables in one graph call; `restore(values)` writes them back.
+
+    `Snapshot.of(variables)` shares one snapshot among the paths that write the same variables
+    (the branches of one model): each new one would trace its function again, and TF warns
+    about a function traced that often."""
+
+    _shared: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+    @classmethod
+    def of(cls, variables) -> "Snapshot":
+        variables = list(variables)
+        key = tuple(id(v) for v in variables)  # live while the snapshot holds the variables
+        snap = cls._shared.get(key)
+        if snap is None:
+            snap = cls._shared[key] = cls(variables)
+        return snap
 
     def __init__(self, variables):
         self.variables = list(variables)

@@ -440,7 +440,7 @@ class Session:
             if path.view is None:
                 path.view = PathView(path.trace, path.usable_units(), site.key, site.caller_step_try)
             if path.snapshot is None:
-                path.snapshot = Snapshot(written_variables(path.trace))
+                path.snapshot = Snapshot.of(written_variables(path.trace))
             shared = self._reuse(site, path)
             if shared is not None:
                 path.built_for = path.build_key()

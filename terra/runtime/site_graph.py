@@ -141,7 +141,7 @@ class SiteGraph:
                 if id(v) not in seen:
                     seen.add(id(v))
                     variables.append(v)
-        self.snapshot = Snapshot(variables)
+        self.snapshot = Snapshot.of(variables)
         self.built_for = self.key_of(self.paths)
         # fetch key -> elements finished iterations left unread (the next reader skips them)
         self.stale: dict = {}

@@ -96,6 +96,34 @@ def _train_with_exception(Tape, fail_at=4, exc=ValueError):
     terra.end_iteration()
     return caught, [v.numpy() for v in model.variables]
 
+def test_paths_over_the_same_variables_share_one_snapshot(caplog):
+    """Twelve branches of one model write the same variables: one snapshot function, traced
+    once (a function per path was traced twelve times, and TF logged its retracing warning)."""
+    w = tf.Variable(tf.ones((3,)))
+    fns = [tf.sin, tf.cos, tf.tanh, tf.exp, tf.sigmoid, tf.square, tf.abs, tf.math.softplus,
+           tf.math.log1p, tf.math.erf, tf.math.atan, tf.math.sinh]
+
+    def run(Tape):
+        w.assign(tf.ones((3,)) * 0.5)
+        for i in range(3 * len(fns)):
+            with Tape() as tape:
+                y = tf.reduce_sum(fns[(i // 2) % len(fns)](w * 0.9))
+            w.assign_sub(0.1 * tape.gradient(y, w))
+        terra.end_iteration()
+        return w.numpy()
+
+    eager = run(tf.GradientTape)
+    with caplog.at_level("WARNING"):
+        got = run(tf.TerraGradientTape)
+    np.testing.assert_array_equal(got, eager)
+    site = next(iter(SESSION.sites.values()))
+    snapshots = {id(p.snapshot) for p in site.paths.values() if p.snapshot is not None}
+    assert len(site.paths) == len(fns) and len(snapshots) == 1, terra.explain()
+    assert not [r for r in caplog.records if "retracing" in r.getMessage()]
+    assert Snapshot.of(written_variables(next(iter(site.paths.values())).trace)) is \
+        next(p.snapshot for p in site.paths.values() if p.snapshot is not None)
+
+
 
 @pytest.mark.parametrize("exc", [ValueError, KeyboardInterrupt])
 def test_exception_in_tape_body_leaves_variables_as_eager(exc):
