@@ -26,6 +26,7 @@ class Executable:
     learns_fetches = False  # a value read where this graph does not fetch it: fetch next build
     allows_pure_tail = False  # may end before its path's end when the ops left are pure
     waits_at_end = False    # its run can end once the path's last op matched (no puts left)
+    holds = False           # its start (and Python's puts) may wait until the path is certain
 
     @property
     def function(self):
@@ -122,6 +123,7 @@ class PathRun(Executable):
     learns_fetches = True
     allows_pure_tail = True
     waits_at_end = True
+    holds = True
 
     def __init__(self, path):
         self.path = path

@@ -15,6 +15,7 @@ class EventKind(str, enum.Enum):
     EAGER = "eager"
     SWITCH = "switch"
     CASE_SWITCH = "case_switch"
+    HOLD = "hold"
     END = "end"
 
     def __str__(self):
@@ -30,6 +31,8 @@ class Counters:
     graph_reuses: int = 0      # paths that run another path's graph over their own variables
     path_switches: int = 0
     case_switches: int = 0
+    held_iterations: int = 0   # compiled iterations whose run waited until their path was certain
+    held_switches: int = 0     # path switches made before the run started: nothing to restart
     pure_tails: int = 0
     overlapped_iterations: int = 0
     static_reads: int = 0

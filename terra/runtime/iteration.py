@@ -52,6 +52,10 @@ class Iteration(IterationEnd):
         self.replayed: dict = {}
         self.pending = False   # finished, its graph run not yet collected (pipelined)
         self.exe: Executable | None = None   # the run of the compiled graph, in skip mode
+        self.predicted = False  # started in skip mode on a predicted path
+        self.missed = False     # ... and had to leave it (a restart or a fallback)
+        self.hold: int | None = None  # the run waits until Python has matched this many ops
+        self.held = False       # the run was held at some point (counted once)
 
     def release(self) -> None:
         """Drop what a finished, collected iteration no longer needs; its values resolve from
@@ -105,14 +109,43 @@ class Iteration(IterationEnd):
         return False
 
     def put_feed(self, slot, value) -> None:
+        if self.hold is not None:  # put when the run is released (`runner.fed` keeps it)
+            return
         if self.exe.put_feed(slot, value) and CONFIG.coexecution:
-            self.start_graph()  # (a no-op once started) after the put: no blocked dequeue
+            self.start_graph(early=True)  # (a no-op once started) after the put
 
     def open_gate(self, start: int) -> None:
         """The coarse unit at record `start` may run: Python has checked its guard."""
         self.runner.passed.append(start)
-        if self.exe.open_gate(start) and CONFIG.coexecution:
+        if self.hold is None and self.exe.open_gate(start) and CONFIG.coexecution:
+            self.start_graph(early=True)
+
+    # ---------------------------------------------------------------- held runs
+    def hold_for(self, path) -> None:
+        """Hold this iteration's run (no start, no puts) until Python has told `path` apart
+        from the site's other compiled paths, where the site's predictions keep missing
+        (`Site.holds_runs`): a switch before then costs no cancel, wait or restore."""
+        self.hold = None
+        if not (CONFIG.coexecution and self.exe.holds and self.site.holds_runs()):
+            return
+        h = self.site.hold_point(path)
+        if h > self.runner.pos:
+            self.hold = h
+            self.runner.advance = self._advance_held
+            if not self.held:
+                self.held = True
+                self.session.counters.held_iterations += 1
+
+    def _advance_held(self, pos: int) -> None:
+        if self.hold is not None and pos >= self.hold:
             self.start_graph()
+
+    def _release(self) -> None:
+        """Put what Python has put so far and let the run start."""
+        self.hold = None
+        runner = self.runner
+        runner.advance = self.exe.advance
+        self.exe.replay_puts(runner, runner.pos, lambda slot, v: self.exe.put_feed(slot, v))
 
     def run_failed(self) -> bool:
         r = self.run
@@ -127,6 +160,12 @@ class Iteration(IterationEnd):
         # not started, if eager ops follow (a fallback's replay must see all their writes) or
         # channels are drained (their runs must have enqueued everything). A path switch before
         # anything was put needs neither: the next run simply queues after theirs.
+        if self.hold is not None and self.run is None:  # held: nothing was put or run
+            self.hold = None
+            self.runner.advance = self.exe.advance
+            if eager_next:
+                s.collect_pending(convert=False)
+            return
         if eager_next or self.run is not None or self.runner is not None and self.runner.fed:
             s.collect_pending(convert=False)
         if self.run is None:
@@ -148,10 +187,15 @@ class Iteration(IterationEnd):
         self.run = None
         self.snap = None
 
-    def start_graph(self) -> None:
+    def start_graph(self, early: bool = False) -> None:
         """Queue this iteration's run; right before it starts (after every earlier run ended)
-        the worker snapshots the variables it may write, for a fallback to restore."""
+        the worker snapshots the variables it may write, for a fallback to restore. `early`:
+        a start for overlap only, which a held run declines (a sync point releases it)."""
         if self.run is None:
+            if self.hold is not None:
+                if early and self.runner.pos < self.hold:
+                    return
+                self._release()
             graph, snap = self.graph(), self.snapshot()
             self.snap = None
 
@@ -319,6 +363,8 @@ class Iteration(IterationEnd):
         for q in candidates:
             tried.add(id(q))
             s = self.session
+            if self.hold is not None and self.run is None:
+                s.counters.held_switches += 1
             with s.internal():
                 self.abandon_run(eager_next=False)
                 if s.deferred_error is not None:  # an earlier iteration failed: fall back
@@ -327,11 +373,13 @@ class Iteration(IterationEnd):
                 self.path = q
                 runner.view = q.view
                 self.use(self.exe.on_path(q, runner))
+                self.hold_for(q)
                 self.exe.replay_puts(runner, pos, self.put_feed)
                 self.fetched = set()
                 if CONFIG.coexecution and (self.exe.starts_early() or runner.fed_order):
-                    self.start_graph()
+                    self.start_graph(early=True)
             s.counters.path_switches += 1
+            self.missed = True
             s._event("switch", self.site, self.number, f"p{cur.id} -> p{q.id} at op #{pos}: "
                      f"{d.reason}", d.location)
             return True
@@ -342,6 +390,7 @@ class Iteration(IterationEnd):
         s = self.session
         runner = self.runner
         runner.skipping = False
+        self.missed = True
         s.count_fallback(self, d)
         with s.internal():
             self.abandon_run()

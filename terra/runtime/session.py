@@ -272,6 +272,16 @@ class Session:
         if self.pending and (site.eager_reason is not None or self._predict(site) is None):
             with held_interrupts():  # ops of this iteration run eagerly: earlier runs end first
                 self.collect_pending()
+        prev = self.iteration
+        if prev is not None and prev.predicted:
+            held = prev.site.holds_runs()
+            prev.site.misses.append(prev.missed)
+            if prev.site.holds_runs() != held:
+                self._event("hold", prev.site, prev.number, (
+                    f"{sum(prev.site.misses)} of the last {len(prev.site.misses)} compiled "
+                    "iterations left the path they started on: runs wait until Python has told "
+                    "their path apart from the others") if not held else (
+                    "predictions hold again: runs start with the iteration"))
         self.counters.iterations += 1
         it = Iteration(self, site, frame, self.counters.iterations)
         it.add_tape(tape)
@@ -289,8 +299,10 @@ class Session:
             sg = site.site_graph
             plan = sg.plan_of(path) if sg is not None and CONFIG.site_graph else None
             it.use(SiteRun(sg, plan, it.runner) if plan is not None else PathRun(path))
+            it.predicted = True
+            it.hold_for(path)
             if CONFIG.coexecution and it.exe.starts_early():
-                it.start_graph()
+                it.start_graph(early=True)
             hook.set_active(it.runner)
             return
         site.phase = "tracing"

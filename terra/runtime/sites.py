@@ -2,6 +2,7 @@
 constants that change into feeds, and what keeps a trace from being compiled."""
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 import functools
 from typing import TYPE_CHECKING
@@ -309,6 +310,12 @@ class Path:
                 frozenset(self.outside_reads))
 
 
+# A site whose compiled iterations started on a wrong path at least HOLD_MISSES times in the latest
+# HOLD_WINDOW holds each run until its path is certain (`Site.holds_runs`).
+HOLD_WINDOW = 8
+HOLD_MISSES = 4
+
+
 @dataclass(eq=False)
 class Site:
     key: tuple
@@ -342,6 +349,42 @@ class Site:
     site_graph: SiteGraph | None = None   # one graph for all compiled paths (>= 2 of them)
     site_graph_failed: tuple | None = None  # SiteGraph.key_of the paths whose lowering failed
     caller_step_try: bool = False   # called inside a per-step try of the program (PathView)
+    # whether each of the latest compiled iterations had to leave the path it started on
+    misses: collections.deque = field(default_factory=lambda: collections.deque(maxlen=HOLD_WINDOW))
+    _hold_points: tuple = (None, None)   # (compiled paths, {path id: hold point})
+
+    def holds_runs(self) -> bool:
+        """Start runs only where the path is certain (`hold_point`): most recent compiled
+        iterations started on a wrong path (a branch Python draws at random), and a restart
+        (cancel, wait for the runs before, restore the variables) costs more than the overlap
+        an early start gains."""
+        return sum(self.misses) >= HOLD_MISSES
+
+    def hold_point(self, path) -> int:
+        """The first op at which Python has told `path` apart from every other compiled path
+        of the site (one past their longest common prefix): a run started there is not
+        restarted for a switch."""
+        live = tuple((q.id, id(q.graph)) for q in self.paths.values()
+                     if q.graph is not None and not q.stale and q.view is not None)
+        key, points = self._hold_points
+        if key != live:
+            points = {}
+            self._hold_points = (live, points)
+        h = points.get(path.id)
+        if h is None:
+            sig = path.switch_signature()
+            h = 0
+            for q in self.paths.values():
+                if q is path or q.graph is None or q.stale or q.view is None:
+                    continue
+                other = q.switch_signature()
+                n = min(len(sig), len(other))
+                k = 0
+                while k < n and sig[k] == other[k]:
+                    k += 1
+                h = max(h, k + 1)
+            points[path.id] = h
+        return h
 
 
 # A fallback onto a path already filed, after at least this many iterations without one, does

@@ -162,3 +162,62 @@ def test_fallbacks_onto_new_paths_still_count():
     with pytest.warns(RuntimeWarning, match="2 fallbacks"):
         _three_way(tf.TerraGradientTape, choices)
     assert "site stays eager: 2 fallbacks" in terra.explain()
+
+
+def _random_activation(Tape, steps=40, seed=3):
+    """SDPoint in small: Python's `random` picks the activation in the middle of every step."""
+    import random
+    rnd = random.Random(seed)
+    w, v = tf.Variable(tf.fill((4, 4), 0.3)), tf.Variable(tf.fill((4, 4), 0.2))
+    x = tf.constant(np.arange(16, dtype=np.float32).reshape(4, 4) / 16)
+    acts = [None, tf.sin, tf.cos, tf.tanh]
+    losses = []
+    for _ in range(steps):
+        with Tape() as tape:
+            h = tf.matmul(x, w)
+            act = rnd.choice(acts)
+            if act is not None:
+                h = act(h)
+            loss = tf.reduce_sum(tf.matmul(h, v))
+        gw, gv = tape.gradient(loss, [w, v])
+        w.assign_sub(0.01 * gw)
+        v.assign_sub(0.01 * gv)
+        losses.append(float(loss))
+    terra.end_iteration()
+    return losses, w.numpy(), v.numpy()
+
+
+def test_a_site_whose_predictions_keep_missing_holds_its_runs():
+    from tests.counting import CompileCounter
+    eager = _random_activation(tf.GradientTape)
+    with CompileCounter() as c:
+        got = _random_activation(tf.TerraGradientTape)
+    assert got[0] == eager[0]
+    for a, b in zip(got[1:], eager[1:]):
+        np.testing.assert_array_equal(a, b)
+    explain = terra.explain()
+    # four paths, each compiled at its first trace once one was (a fallback each); from then on
+    # a wrong prediction is a switch. After iteration 7 four of the five compiled iterations
+    # had left their path (three fallbacks, a switch): from iteration 8 on every run waits for
+    # op #3, past the op where the paths part, and each of the 22 later switches is made before
+    # its run starts (nothing to cancel or restore); runs start on the path Python takes
+    c.assert_counts(iterations=40, traces=5, graph_builds=4, fallbacks=3, path_switches=23,
+                    held_iterations=33, held_switches=22)
+    assert "[hold]" in explain and "runs wait until Python has told" in explain, explain
+
+
+def test_a_site_whose_predictions_come_right_starts_its_runs_with_the_iteration_again():
+    from tests.counting import CompileCounter
+    choices = [0, 0, 1, 1, 2, 2] + [0, 1, 2] * 8
+    eager = _three_way(tf.GradientTape, choices)
+    with CompileCounter() as c:
+        got = _three_way(tf.TerraGradientTape, choices)
+    np.testing.assert_array_equal(got, eager)
+    explain = terra.explain()
+    # two fallbacks and the switches of iterations 7 and 8 make four misses in six: runs are
+    # held from iteration 9. By then each path's successor is learnt (0 -> 1 -> 2 -> 0), the
+    # predictions come right, and from iteration 15 (four misses have left the window of eight)
+    # runs start with the iteration again: 7 held iterations, no switch after iteration 10
+    c.assert_counts(iterations=30, traces=4, graph_builds=3, fallbacks=2, path_switches=4,
+                    held_iterations=7, held_switches=2)
+    assert "iteration 15: predictions hold again" in explain, explain
