@@ -21,6 +21,10 @@ otherwise its iterations are unrolled as ordinary nodes (their locations keep it
      at most one node per key (a loop over variables, one variable per iteration, fails this);
   3. loop-carried slots have one update producer, and per-iteration feeds are used only in the
      loop level that reads them.
+A run of one iteration makes no loop node where another trace issued its first op in line at
+that point (that trace's run was unrolled, e.g. because a backward pass reads every iteration):
+it is unrolled too and shares that trace's first iteration, so the paths part where Python
+tells them apart (a `break` after the first pass), not at the loop's start.
 """
 from __future__ import annotations
 
@@ -442,13 +446,10 @@ class _Merger:
     def loop(self, inst: _Instance, ctx: _Ctx, cur: int) -> int:
         st = self.st
         lv = st.levels[ctx.level]
-        first = self.trace.records[inst.first]
-        enclosing = tuple(l.loop if d in ctx.folded else l for d, l in
-                          enumerate(first.location.loops[:inst.depth]))
-        lkey = (inst.loop, enclosing, first.location.frames)
+        lkey = self.loop_key(inst, ctx)
         if inst.uid not in self.bad:
             kids, back = self.candidates(lv, cur, (LOOP, lkey))
-            for nid in kids + list(back) + [None]:
+            for nid in kids + list(back) + ([] if self.stays_in_line(inst, ctx, cur) else [None]):
                 mark = st.mark()
                 try:
                     node = st.nodes[nid] if nid is not None else self.new_loop(lv, lkey)
@@ -464,6 +465,25 @@ class _Merger:
         for body in inst.iterations:  # unroll
             cur = self.walk(body, ctx, cur)
         return cur
+
+    def loop_key(self, inst: _Instance, ctx: _Ctx) -> tuple:
+        first = self.trace.records[inst.first]
+        enclosing = tuple(l.loop if d in ctx.folded else l for d, l in
+                          enumerate(first.location.loops[:inst.depth]))
+        return (inst.loop, enclosing, first.location.frames)
+
+    def stays_in_line(self, inst: _Instance, ctx: _Ctx, cur: int) -> bool:
+        """A run of one iteration whose first op another trace issued in line right here (its
+        loop run was unrolled: a backward pass reading every iteration keeps a run from
+        folding) is unrolled too, to merge with that trace's first iteration. A loop node of
+        its own would part the two paths at the loop's start, before Python tells them apart."""
+        if len(inst.iterations) != 1 or not inst.iterations[0]:
+            return False
+        first = inst.iterations[0][0]  # its key, in line here (ctx: this run unrolled)
+        key = (LOOP, self.loop_key(first, ctx)) if isinstance(first, _Instance) else \
+            Node.op_key(self.trace.records[first], ctx.folded)
+        lv = self.st.levels[ctx.level]
+        return any(self.st.keys.get(n) == key for n in lv.succ[cur])
 
     def new_loop(self, lv, lkey):
         st = self.st

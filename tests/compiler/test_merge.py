@@ -228,6 +228,35 @@ def test_non_uniform_data_flow_is_unrolled(shape):
     assert len([n for n in g.op_nodes if n.op.op_type == "Step"]) == 3
 
 
+def _early_exit(passes):
+    """h = step(h) for `passes` passes of a loop, then a backward-like op reading every pass's
+    value (which keeps a run of two or more passes from folding)."""
+    ops = [("Init", [VariableRef(0)], loc(1))]
+    for i in range(passes):
+        ops.append(("Step", [OutputRef(len(ops) - 1)], loc(61, (60, i))))
+    ops.append(("Pack", [tuple(OutputRef(k) for k in range(1, passes + 1))], loc(70)))
+    return trace(*ops)
+
+
+@pytest.mark.parametrize("order", ["unrolled_first", "one_pass_first"])
+def test_a_one_pass_run_stays_in_line_beside_an_unrolled_run(order):
+    four, one = _early_exit(4), _early_exit(1)
+    first, second = (four, one) if order == "unrolled_first" else (one, four)
+    g = merge(merge(None, first), second)
+    loops = [n for n in g.op_nodes if n.kind == LOOP]
+    steps = [n for n in g.op_nodes if n.op is not None and n.op.op_type == "Step"]
+    if order == "unrolled_first":
+        # the one-pass run shares the four-pass run's first Step: the paths part after it
+        assert not loops and len(steps) == 4, g
+        first_step = [n for n in steps if n.op.location.loops[0].iteration == 0]
+        assert len(first_step) == 1 and set(first_step[0].seen) == {0, 1}
+    else:
+        # nothing was in line when the one-pass run came first: it made a loop node (as
+        # before), and the four-pass run, which cannot fold, is unrolled beside it
+        assert len(loops) == 1 and len(steps) == 4, g
+    assert covers(g, one) and covers(g, four)
+
+
 def test_nested_loops_fold_recursively():
     ops = [("Init", [VariableRef(0)], loc(1))]
     for i in range(2):

@@ -147,17 +147,17 @@ def _terra_run(program, site_graph):
     return got, terra.stats(), terra.explain()
 
 
-# name -> (restarts with path graphs; seamless switches, restarts with the site graph)
+# name -> (restarts with path graphs; seamless switches, restarts with the site graph). With the
+# site graph no switch restarts: in trip_count and early_exit the one-pass run shares the first
+# pass of the unrolled longer runs (merge: a one-iteration run stays in line), so the paths part
+# where Python ends the loop. With path graphs, a switch after early_exit's break goes straight
+# to the path that breaks: the Mul Python issues takes no variable, so a path that expects the
+# next pass's variable read there is not tried
 SWITCHES = {
     "random_branch": (11, 11, 0),
     "generator": (15, 15, 0),
-    "trip_count": (18, 8, 10),
-    # the merge gives the run that breaks after one pass a case of its own from op 2 (a loop
-    # run of one iteration is not aligned with the other paths' folded loop), so where Python
-    # breaks, the site graph has already been told the other case: a restart, as with path
-    # graphs. (A switch to a path that expects the next pass's variable read is not tried
-    # first: the Mul Python issues there takes no variable.)
-    "early_exit": (8, 0, 8),
+    "trip_count": (18, 18, 0),
+    "early_exit": (8, 8, 0),
 }
 
 
