@@ -7,8 +7,7 @@ from terra.compiler.merge import covers, merge
 from terra.ir import verify as verify_mod
 from terra.ir.records import (ConstRef, FeedRef, Fetch, Location, LoopIter, OpRecord, OutputRef,
                               TensorSpec, Trace, VariableRef)
-from terra.ir.trace_graph import (LOOP, Carried, FetchPoint, IterFeed, NodeOut, Phi, Prev,
-                                  TraceGraph)
+from terra.ir.trace_graph import LOOP, Carried, FetchPoint, IterFeed, NodeOut, Phi, Prev
 from terra.ir.verify import verify
 
 F32 = (("T", "float32"),)
