@@ -153,12 +153,20 @@ def _feed_data_inputs(runner, want, guard, flat) -> tuple:
     one cannot be (a batch of another shape: the model's ops, matched one by one, meet it)."""
     out = list(guard)
     mark = len(runner.fed_order)
+    recorded = runner.iteration.path.trace.feed_values
     for i, x in enumerate(flat):
         w = want[i + 2]
         if isinstance(guard[i + 2], tuple) and isinstance(w, FeedRef) and \
                 isinstance(x, (tfp.EagerTensorBase, np.ndarray)) and w.slot not in runner.fed:
+            value = x
+            spec = runner.view.feed_specs[w.slot]
+            if isinstance(x, np.ndarray) and x.dtype.name != spec.dtype and \
+                    isinstance(recorded[w.slot], np.ndarray) and recorded[w.slot].dtype == x.dtype:
+                # an array of the dtype traced, which the unit's Python converted to the feed's
+                # dtype (a Keras loss converts integer labels to its float dtype): convert it so
+                value = tf.convert_to_tensor(x, spec.dtype)
             try:
-                runner._feed(w.slot, x, x)
+                runner._feed(w.slot, x, value)
             except Diverged:
                 runner._rollback(mark)
                 return None

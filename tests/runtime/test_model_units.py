@@ -154,3 +154,43 @@ def test_changing_a_loss_objects_reduction_is_not_skipped():
     c.assert_counts(traces=4, graph_builds=2, fallbacks=1)
     assert tfp.keras_loss_settings(keras.losses.MeanSquaredError()) is not None
     assert tfp.keras_loss_settings(object()) is None
+
+
+def train_with_integer_labels(Tape, steps=8):
+    model, opt = sequential(6), keras.optimizers.SGD(0.05)
+    model = keras.Sequential([model, keras.layers.Dense(3)])
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    rng = np.random.default_rng(3)
+    xs = rng.normal(size=(steps, 8, 4)).astype(np.float32)
+    ys = rng.integers(0, 3, size=(steps, 8)).astype(np.int32)  # converted to float by the loss
+    losses = []
+    for i in range(steps):
+        with Tape() as tape:
+            loss = loss_fn(ys[i], model(xs[i], training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        losses.append(float(loss))
+    return losses, [v.numpy().tolist() for v in model.variables]
+
+
+def test_integer_labels_a_loss_converts_are_fed_to_the_loss_unit(monkeypatch):
+    """The loss converts the int32 labels to float32 inside its call: skipping the unit converts
+    them the same way, so the loss is skipped whole (before, the feed's dtype differed from the
+    array's and every op of the loss was matched one by one)."""
+    from terra.runtime.python_runner import PythonRunner
+    matched = []
+    original = PythonRunner._skip
+
+    def counting(self, *args, **kwargs):
+        matched.append((self.iteration.number, args[0]))
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(PythonRunner, "_skip", counting)
+    eager = train_with_integer_labels(tf.GradientTape)
+    with CompileCounter() as c:
+        got = train_with_integer_labels(tf.TerraGradientTape)
+    assert got == eager, terra.explain()
+    c.assert_counts(traces=3, graph_builds=1, fallbacks=0)
+    assert len(unit_spans()) == 4  # the model, the loss, tape.gradient, apply_gradients
+    # iterations 4-8 skip four units and no op on its own; the one op is past the last step's
+    # path (the first variable read after the loop, which ends the iteration)
+    assert matched == [(8, "ReadVariableOp")], matched
