@@ -178,8 +178,9 @@ def layer_call(session, layer, original, args, kwargs, loss=False):
     """A built-in Keras layer call, a call of a plain Sequential or functional model made of
     built-in layers, or (`loss`) of a built-in Keras loss object, as one coarse unit (guarded on
     the object, its plain Python settings and, for a model, each of its layers and theirs, the
-    inputs' producers and plain arguments; data handed straight to a model or loss is fed when
-    the unit is skipped). User-defined layers and models run op by op: their Python may do
+    inputs' producers and plain arguments; data handed straight to it, an array or a tensor no
+    recorded op made (the ids a functional model converted for its Embedding), is fed when the
+    unit is skipped). User-defined layers and models run op by op: their Python may do
     anything."""
     it = session.iteration
     if it is None or it.mode not in ("skip", "tracing") or session._layer_depth or \
@@ -198,7 +199,7 @@ def layer_call(session, layer, original, args, kwargs, loss=False):
             return original(layer, *args, **kwargs)
         settings = (_settings(layer),) + tuple((id(x), _settings(x)) for x in inner)
     flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True)
-    data = model or loss  # may be handed data straight (fed when the unit is skipped)
+    data = True  # may be handed data straight (external tensors and arrays, fed when skipped)
     if data and not all(isinstance(x, (tfp.Tensor, tfp.BaseResourceVariable, np.ndarray, bool,
                                        int, float, str, type(None))) for x in flat):
         return original(layer, *args, **kwargs)

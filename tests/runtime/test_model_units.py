@@ -194,3 +194,44 @@ def test_integer_labels_a_loss_converts_are_fed_to_the_loss_unit(monkeypatch):
     # iterations 4-8 skip four units and no op on its own; the one op is past the last step's
     # path (the first variable read after the loop, which ends the iteration)
     assert matched == [(8, "ReadVariableOp")], matched
+
+
+def train_embedding_model(Tape, steps=8):
+    keras.utils.set_random_seed(7)
+    inp = keras.layers.Input((5,), dtype="int32")
+    h = Scale()(keras.layers.Embedding(12, 4)(inp))  # a user-defined layer: no model unit
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(h)))
+    opt = keras.optimizers.SGD(0.05)
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, 12, size=(steps, 3, 5)).astype(np.int32)
+    losses = []
+    for i in range(steps):
+        with Tape() as tape:
+            loss = tf.reduce_mean(model(ids[i], training=True) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        losses.append(float(loss))
+    return losses, [v.numpy().tolist() for v in model.variables]
+
+
+def test_a_tensor_the_model_converted_is_fed_to_the_embedding_unit(monkeypatch):
+    """The functional model converts the NumPy ids to a tensor and hands it to its Embedding:
+    an external tensor, fed when the Embedding unit is skipped (before, the layer's guard named
+    it by object, which is new every step, so the unit was never usable)."""
+    from terra.runtime.python_runner import PythonRunner
+    matched = []
+    original = PythonRunner._skip
+
+    def counting(self, *args, **kwargs):
+        if self.iteration.number == 5:
+            matched.append(args[0])
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(PythonRunner, "_skip", counting)
+    eager = train_embedding_model(tf.GradientTape)
+    with CompileCounter() as c:
+        got = train_embedding_model(tf.TerraGradientTape)
+    assert got == eager, terra.explain()
+    c.assert_counts(traces=3, graph_builds=1, fallbacks=0)
+    # in a compiled iteration only the ops outside built-in layers are matched one by one:
+    # Scale's Mul, then the loss's Pow (on TF's fast route, then its slow one) and Mean
+    assert matched == ["Mul", "Pow", "Pow", "Mean"], matched
