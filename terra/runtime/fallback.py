@@ -17,6 +17,7 @@ co-execution gains most; see benchmarks/results/coexec.md for the measured snaps
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import numpy as np
@@ -88,6 +89,10 @@ class HandleVariable:
         tfp.assign_variable_op(self.handle, value)
 
 
+def _read_all(variables):
+    return [tf.identity(v.read_value()) for v in variables]
+
+
 class Snapshot:
     """Reads a fixed list of variables in one graph call; `restore(values)` writes them back.
 
@@ -108,9 +113,10 @@ class Snapshot:
 
     def __init__(self, variables):
         self.variables = list(variables)
-        vs = self.variables
-        self._read = tf.function(lambda: [tf.identity(v.read_value()) for v in vs],
-                                 autograph=False) if vs else None
+        # a partial, not a closure: TF counts retracing per code object, and every snapshot's
+        # function (traced once) would count as a retrace of one function, which TF warns about
+        self._read = tf.function(functools.partial(_read_all, tuple(self.variables)),
+                                 autograph=False) if self.variables else None
 
     def take(self):
         return self._read() if self._read is not None else []
