@@ -154,10 +154,17 @@ def _no_remapping(config) -> None:
     config.graph_options.rewrite_options.remapping = rewriter_config_pb2.RewriterConfig.OFF
 
 
+def _no_constant_folding(config) -> None:
+    """Grappler without constant folding (mutates a ConfigProto): it also rewrites arithmetic
+    around constants, which changes rounding (config.constant_folding)."""
+    config.graph_options.rewrite_options.constant_folding = rewriter_config_pb2.RewriterConfig.OFF
+
+
 class ConfiguredRunner(GraphRunner):
     """GraphRunner that runs graphs with or without Grappler (config.grappler), its arithmetic
-    optimizer (config.arithmetic_optimizer) and remapper (config.remapper), and with XLA's
-    clusters kept fusable (config.xla), as configured when each run starts."""
+    optimizer (config.arithmetic_optimizer), remapper (config.remapper) and constant folding
+    (config.constant_folding), and with XLA's clusters kept fusable (config.xla), as configured
+    when each run starts."""
 
     def _call(self, run):
         if not CONFIG.grappler:
@@ -165,6 +172,7 @@ class ConfiguredRunner(GraphRunner):
                 return super()._call(run)
         changes = [m for m, on in ((_no_arithmetic_rewrites, not CONFIG.arithmetic_optimizer),
                                    (_no_remapping, not CONFIG.remapper),
+                                   (_no_constant_folding, not CONFIG.constant_folding),
                                    (xla.keep_fusable, CONFIG.xla)) if on]
         if not changes:
             return super()._call(run)
