@@ -555,6 +555,19 @@ def pause_tape(gradient_tape) -> None:
     gradient_tape._pop_tape()
 
 
+def tapes_recording() -> bool:
+    """Whether an op run now is recorded by a gradient tape (none is inside
+    `tape.stop_recording()` or `tf.stop_gradient`, which stop every tape of the thread)."""
+    return execute_module.must_record_gradient()
+
+
+def stop_recording():
+    """Context in which no tape of this thread records (what `tape.stop_recording()` does for
+    every tape): a replayed op eager ran unrecorded runs in it."""
+    from tensorflow.python.eager import record
+    return record.stop_recording()
+
+
 # ---- co-execution: tf.function calls as coarse units (terra/runtime/units.py) ------------------
 # Checked by tests/test_tf_private_function_units.py.
 # A `tf.function` call is skipped as a whole in co-execution (TF never sees placeholder

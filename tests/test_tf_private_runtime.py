@@ -207,3 +207,22 @@ def test_keras_builtin_models_are_recognized_with_all_their_operations():
         def call(self, x):
             return x
     assert tfp.keras_builtin_model_layers(Own()) is None
+
+
+def test_tapes_recording_and_stop_recording():
+    """What the recorder notes per op (`OpRecord.taped`) and how the fallback replays an op eager
+    ran unrecorded."""
+
+    x = tf.constant(2.0)
+    assert not tfp.tapes_recording()
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        assert tfp.tapes_recording()
+        with tape.stop_recording():
+            assert not tfp.tapes_recording()
+        with tfp.stop_recording():
+            assert not tfp.tapes_recording()
+            y = x * 3.0
+        assert tfp.tapes_recording()
+        z = y * x
+    assert float(tape.gradient(z, x)) == 6.0  # y was not recorded: a constant to the tape

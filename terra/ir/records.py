@@ -154,6 +154,7 @@ class OpRecord:
     location: Location
     route: str = "fast"
     function: Optional[str] = None
+    taped: bool = True  # a gradient tape recorded it (False inside `stop_recording()`)
 
     def attr(self, name: str, default: Any = None) -> Any:
         for k, v in self.attrs:

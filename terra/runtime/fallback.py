@@ -249,6 +249,18 @@ class EagerReplay:
     def _run_one(self, rec, ctx, _execute):
         if rec.op_type in HOST_OPS:  # the program's thread ran it when it got there
             return
+        if not rec.taped and rec.route != "function":
+            # eager ran it with every tape stopped (`tape.stop_recording()`, `tf.stop_gradient`):
+            # recorded now, gradients would flow through it (twice the gradient of `w * a` with
+            # `a = w * 3` made unrecorded), or take another route (an ulp off eager's). (TF runs
+            # every taped function call's forward with the tapes stopped and records the call
+            # itself, as the replay's TapeRecordedFunction does: a function record's flag says
+            # nothing)
+            with tfp.stop_recording():
+                return self._run_recorded(rec, ctx, _execute)
+        self._run_recorded(rec, ctx, _execute)
+
+    def _run_recorded(self, rec, ctx, _execute):
         inputs = self._flat_inputs(rec)
         if rec.route == "function":
             fn = self.trace.functions[rec.function]

@@ -393,7 +393,7 @@ class Recorder(hook.Interceptor):
             if op_type in STATE_CREATING_OPS:
                 self._problems.append("creates state")
         rec = OpRecord(index, op_type, frozen, refs, tuple(_spec(t) for t in outputs), location,
-                       route, function)
+                       route, function, tfp.tapes_recording())
         if op_type in HOST_OPS:
             # skip mode runs it on fetched inputs (fetch them from the first graph on), and its
             # outputs are data from outside the graph: whoever consumes them takes a feed
