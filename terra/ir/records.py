@@ -169,7 +169,14 @@ class OpRecord:
     @property
     def signature(self) -> tuple:
         """What must agree for two records to be the same node, data flow aside."""
-        return (self.op_type, self.attrs, self.location, self.function)
+        return (self.op_type, self.attrs, self.location, self.function, self.recorded)
+
+    @property
+    def recorded(self) -> bool:
+        """Whether a tape records this op, as far as a path tells it apart: an op eager ran
+        inside `stop_recording()` and the same op recorded get different gradients. A function
+        call's flag is left out (TF runs every taped call's forward with the tapes stopped)."""
+        return self.taped or self.route == "function"
 
     def __repr__(self) -> str:
         name = self.function or self.op_type

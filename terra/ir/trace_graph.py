@@ -148,7 +148,7 @@ class Node:
         if folded:
             loops = tuple(LoopIter(l.loop, -1) if d in folded else l for d, l in enumerate(loc.loops))
             loc = Location(loc.frames, loops)
-        return (OP, op.op_type, op.attrs, loc, op.function)
+        return (OP, op.op_type, op.attrs, loc, op.function, op.recorded)
 
     @property
     def phis(self) -> tuple:

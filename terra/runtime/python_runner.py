@@ -244,6 +244,10 @@ class PythonRunner(hook.Interceptor):
                 self._diverge("different input count", len(flat), len(inputs))
             for v, r in zip(inputs, flat):
                 self._match(v, r, rec)
+        if route != "function" and rec.taped != tfp.tapes_recording():
+            # the same op, recorded otherwise (a `stop_recording()` taken this time only): its
+            # gradient differs
+            self._diverge("recorded otherwise", _tape_word(rec.taped), _tape_word(not rec.taped))
         self.pos = p + 1
         if self.advance is not None:
             self.advance(p + 1)
@@ -550,6 +554,10 @@ _UNSET = object()  # Iteration.unit_read: a feed the unit itself supplies (as re
 def _same_array(a, b) -> bool:
     a, b = np.asarray(a), np.asarray(b)
     return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def _tape_word(taped: bool) -> str:
+    return "recorded by the tape" if taped else "not recorded (tapes stopped)"
 
 
 def _short(value) -> str:

@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 
 # ------------------------------------------------------------------------------------ data
 def _rec_sig(rec):
-    return (rec.op_type, rec.attrs, rec.inputs, rec.route == "function", rec.function, rec.outputs)
+    # (outputs last: `switch_signature` relaxes them)
+    return (rec.op_type, rec.attrs, rec.inputs, rec.route == "function", rec.function,
+            rec.recorded, rec.outputs)
 
 
 def path_signature(trace: Trace, units: dict) -> tuple:

@@ -98,13 +98,14 @@ def gradient(session, tape, target, sources, output_gradients, unconnected_gradi
 
 def apply_gradients(session, opt, original, grads_and_vars):
     """`optimizer.apply_gradients` as one coarse unit (guarded on the optimizer object, its
-    plain Python settings, the gradients' producers and the variables)."""
+    plain Python settings, whether a tape records, the gradients' producers and the
+    variables)."""
     it = session.iteration
     pairs = list(grads_and_vars)
     if it is None or it.mode not in ("skip", "tracing") or not getattr(opt, "built", False):
         return original(opt, pairs)
-    settings = tuple((k, v) for k, v in vars(opt).items()
-                     if isinstance(v, (bool, int, float, str, type(None))))
+    settings = (tfp.tapes_recording(),) + tuple(
+        (k, v) for k, v in vars(opt).items() if isinstance(v, (bool, int, float, str, type(None))))
     with _terra_reads(it):
         flat = tf.nest.flatten([g for g, _ in pairs], expand_composites=True) + \
             ["|"] + [v for _, v in pairs]
@@ -177,8 +178,8 @@ def _feed_data_inputs(runner, want, guard, flat) -> tuple:
 def layer_call(session, layer, original, args, kwargs, loss=False):
     """A built-in Keras layer call, a call of a plain Sequential or functional model made of
     built-in layers, or (`loss`) of a built-in Keras loss object, as one coarse unit (guarded on
-    the object, its plain Python settings and, for a model, each of its layers and theirs, the
-    inputs' producers and plain arguments; data handed straight to it, an array or a tensor no
+    the object, its plain Python settings and, for a model, each of its layers and theirs,
+    whether a tape records, the inputs' producers and plain arguments; data handed straight to it, an array or a tensor no
     recorded op made (the ids a functional model converted for its Embedding), is fed when the
     unit is skipped). User-defined layers and models run op by op: their Python may do
     anything."""
@@ -198,6 +199,8 @@ def layer_call(session, layer, original, args, kwargs, loss=False):
         if inner is None:
             return original(layer, *args, **kwargs)
         settings = (_settings(layer),) + tuple((id(x), _settings(x)) for x in inner)
+    # a call inside `stop_recording()` records no op: another unit than the recorded call
+    settings = (tfp.tapes_recording(), settings)
     flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True)
     data = True  # may be handed data straight (external tensors and arrays, fed when skipped)
     if data and not all(isinstance(x, (tfp.Tensor, tfp.BaseResourceVariable, np.ndarray, bool,

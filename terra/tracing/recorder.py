@@ -415,7 +415,7 @@ class Recorder(hook.Interceptor):
             except Exception:  # not a tensor at all
                 specs.append(TensorSpec("unknown", None))
         rec = OpRecord(len(self.trace.records), op_type, (), (), tuple(specs), location, route,
-                       op_type if route == "function" else None)
+                       op_type if route == "function" else None, tfp.tapes_recording())
         self._add(rec, [t for t in outputs if isinstance(t, tfp.EagerTensorBase)])
         self.trace.unsupported.append(f"{op_type}: {why}")
 

@@ -65,7 +65,7 @@ def remap_variables(trace: Trace, mapping: dict) -> Trace:
             return VariableRef(mapping[r.key])
         return r
     records = [OpRecord(r.index, r.op_type, r.attrs, ref(r.inputs), r.outputs, r.location,
-                        r.route, r.function) for r in trace.records]
+                        r.route, r.function, r.taped) for r in trace.records]
     return Trace(trace.site, records, list(trace.feeds), list(trace.feed_values),
                  list(trace.fetches), {mapping[k]: v for k, v in trace.variables.items()
                                        if k in mapping}, list(trace.unsupported),

@@ -19,7 +19,8 @@ Python loop over steps with `with Tape() as tape:`), made of features drawn from
   whose shape depends on a value, a branch on a `tf.Variable` counter, random noise on the
   input (a `tf.random.Generator` or stateful `tf.random.normal` under the global seed), the
   optimizer built before the loop or on its first step, a persistent tape with a second
-  gradient, a second tape and optimizer in the step (as in a GAN)
+  gradient, a second tape and optimizer in the step (as in a GAN), an op inside
+  `tape.stop_recording()` at random steps only (the same op, recorded otherwise)
 
 The script's harness (`run_both`) runs the program eagerly (`tf.GradientTape`) and then under
 Terra (`tf.TerraGradientTape`, after `terra.reset()`, with a short `timeout_s`), and compares
@@ -43,7 +44,7 @@ FEATURES = (
     "break_step", "break_value", "keep_total", "keep_list", "keep_grads",
     "print", "fetch_each_step", "clip", "tf_function", "lr_assign", "small_last_batch",
     "end_iteration", "grad_accum", "loss_scale", "value_shape", "var_counter", "noise",
-    "opt_build", "persistent", "second_tape",
+    "opt_build", "persistent", "second_tape", "stop_recording",
 )
 
 
@@ -154,6 +155,8 @@ def choose(seed: int, exclude=()) -> dict:
     feat("opt_build", 0.5)
     feat("persistent", 0.15)
     feat("second_tape", 0.15)
+    feat("stop_recording", 0.15)  # (drawn last: the choices above are those of earlier versions)
+    c["stop_p"] = r.choice([0.3, 0.5, 0.8])
     c["features"] = on
     return c
 
@@ -398,6 +401,12 @@ def _tape(s: _Src, c: dict, training: str) -> None:
             else:
                 s("x = x + 0.01 * tf.random.normal(tf.shape(x))")
         s(f"h = trunk(x, training={training})")
+        if f["stop_recording"]:
+            with s.block(f"if prng.random() < {c['stop_p']}:  # recorded at random steps only"):
+                with s.block("with tape.stop_recording():"):
+                    s("h = h + 0.1 * tf.reduce_mean(params[0])")
+            with s.block("else:"):
+                s("h = h + 0.1 * tf.reduce_mean(params[0])")
         if f["inner_loop"]:
             with s.block(f"for _ in range(prng.randint(1, {c['inner_max']})):  # a loop of random length"):
                 s("h = h + 0.5 * block(h)")

@@ -321,3 +321,53 @@ def test_ops_run_with_recording_stopped_are_replayed_unrecorded():
     assert terra.stats()["fallbacks"] == 1, terra.explain()
     assert got == eager
 
+
+
+def _stopped_sometimes(Tape, layer):
+    """Steps whose first product (or Dense call) is inside `tape.stop_recording()` at random:
+    the same ops, recorded otherwise, get other gradients."""
+    keras.utils.set_random_seed(1)
+    dense, out = keras.layers.Dense(4), keras.layers.Dense(1)
+    x = tf.random.normal([8, 3])
+    w = tf.Variable(2.0)
+    opt = keras.optimizers.Adam(0.01)
+    coin = np.random.RandomState(0)
+    losses = []
+    for _ in range(14):
+        with Tape() as tape:
+            first = (lambda: dense(x)) if layer else (lambda: w * x)
+            if coin.rand() < 0.5:
+                with tape.stop_recording():
+                    h = first()
+            else:
+                h = first()
+            loss = tf.reduce_mean(out(h * w) ** 2)
+        vs = dense.trainable_variables + out.trainable_variables + [w]
+        grads = tape.gradient(loss, vs)
+        opt.apply_gradients([(g, v) for g, v in zip(grads, vs) if g is not None])
+        losses.append(float(loss))
+    terra.end_iteration()
+    return losses, [v.numpy() for v in vs]
+
+
+@pytest.mark.parametrize("site_graph", [False, True], ids=["path_graph", "site_graph"])
+@pytest.mark.parametrize("layer", [False, True], ids=["ops", "layer_unit"])
+def test_ops_recorded_at_some_steps_and_not_at_others_are_two_paths(layer, site_graph):
+    """`tape.stop_recording()` taken only at some steps: the path of the other steps must not
+    run (its backward counts the stopped ops' gradient). Steps 0-4 record, step 5 stops: a
+    divergence, a fallback and a second path, then three switches between the two (in the site
+    graph, case switches without a restart)."""
+    eager = _stopped_sometimes(tf.GradientTape, layer)
+    old = terra.config(site_graph=site_graph)
+    try:
+        got = _stopped_sometimes(tf.TerraGradientTape, layer)
+    finally:
+        terra.config(**old)
+    s = terra.stats()
+    # (the site graph is built after the second path's own graph)
+    assert (s["traces"], s["fallbacks"], s["graph_builds"]) == (4, 1, 3 if site_graph else 2), \
+        terra.explain()
+    assert (s["path_switches"], s["case_switches"]) == ((0, 3) if site_graph else (3, 0))
+    assert got[0] == eager[0]
+    for a, b in zip(got[1], eager[1]):
+        np.testing.assert_array_equal(a, b)
