@@ -23,7 +23,7 @@ _tf.TerraGradientTape = GradientTape
 def config(**changes) -> dict:
     """Change settings (see `terra.config.Config` for each: enabled, coexecution,
     overlap_iterations, max_traces, max_fallbacks, xla, grappler, arithmetic_optimizer, remapper,
-    timeout_s, verbose, max_trace_ops, layer_units, site_graph); with no arguments returns all
+    timeout_s, verbose, max_trace_ops, layer_units, site_graph, background_builds); with no arguments returns all
     current settings. Returns the previous values of the changed settings otherwise."""
     if not changes:
         return _config_dict()
@@ -47,6 +47,14 @@ def summary() -> str:
     """A one-screen digest of `stats()` and `explain()`: totals, time in Python and in the graph,
     each site's state, what stayed eager and why, fallbacks grouped by reason."""
     return _SESSION.summary()
+
+
+def wait_builds(timeout: float | None = None) -> bool:
+    """Wait until the graphs being built on the builder thread (`background_builds`) are ready,
+    and put them in place for the next iteration; False if `timeout` seconds passed first. A
+    program never needs this (it goes on while graphs are built); a benchmark that wants its
+    timed steps compiled calls it after its warm-up."""
+    return _SESSION.wait_builds(timeout)
 
 
 def end_iteration() -> None:
@@ -103,4 +111,5 @@ def reset() -> None:
 
 
 __all__ = ["GradientTape", "TerraGradientTape", "config", "stats", "explain", "reset",
+           "wait_builds",
            "end_iteration", "enable", "disable", "is_enabled", "summary"]

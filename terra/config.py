@@ -46,6 +46,11 @@ class Config:
     max_trace_ops: recording stops (site treated as unsupported) beyond this many ops.
     layer_units: match calls of Keras' built-in layers, loss objects and plain Sequential /
         functional models of built-in layers as one guarded unit each.
+    background_builds: build a path's graph on a builder thread while the program goes on
+      (its iterations run as before it was compiled until the graph is installed, at the next
+      iteration boundary). Off by default: graph construction is Python and holds the GIL, so
+      on the 2-core machine measured the builder slowed the program's thread more than it
+      saved (docs/usage.md, "Background builds").
     site_graph: a site with two or more compiled paths runs one lowered graph for all of them
       (switch_case / while_loop): a branch Python takes is a Case-Select put, not a restart.
       Off by default (docs/usage.md, "Branches: the site graph": slower where measured, and
@@ -66,6 +71,7 @@ class Config:
     max_trace_ops: int = 50000
     layer_units: bool = True
     site_graph: bool = False
+    background_builds: bool = False
 
 
 CONFIG = Config()
@@ -73,6 +79,7 @@ CONFIG = Config()
 _CHECKS = {
     "enabled": (bool,), "coexecution": (bool,), "overlap_iterations": (bool,), "xla": (bool,), "grappler": (bool,),
     "arithmetic_optimizer": (bool,), "remapper": (bool,), "constant_folding": (bool,), "layer_units": (bool,), "site_graph": (bool,),
+    "background_builds": (bool,),
     "max_traces": (int,), "max_fallbacks": (int,), "verbose": (int,), "max_trace_ops": (int,),
     "timeout_s": (int, float),
 }

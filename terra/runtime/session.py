@@ -34,6 +34,7 @@ from terra import _tf_private as tfp
 from terra.config import CONFIG
 from terra.runtime import units as unit_rules
 from terra.runtime import explain
+from terra.runtime.builder import Builder
 from terra.runtime.explain import Counters, Event, EventKind
 from terra.runtime.fallback import EagerReplay, Snapshot, written_variables
 from terra.runtime.held import held_refs
@@ -72,6 +73,7 @@ class Session:
         self.counters = Counters()
         self._installed = False
         self._graphs: list = []
+        self.builder = Builder()            # graphs built off the critical path
         self.runner = ConfiguredRunner(error_context=self._error_context)
         self._warned: set = set()
         self._depth = 0
@@ -269,6 +271,9 @@ class Session:
     def _begin(self, site, frame, tape) -> None:
         self._ensure_hook()
         hook.set_active(None)
+        if self.builder.jobs:
+            with self.internal():
+                self.install_builds()
         if self.pending and (site.eager_reason is not None or self._predict(site) is None):
             with held_interrupts():  # ops of this iteration run eagerly: earlier runs end first
                 self.collect_pending()
@@ -390,7 +395,12 @@ class Session:
                   if new else f"path p{path.id} seen {path.count} times")
         if why:
             detail += f"; not compilable: {why}"
-        if not new and it.fallback_gap is not None and it.fallback_gap >= KNOWN_FALLBACK_GAP:
+        building = self.builder.building(path)
+        if building and it.fallback_gap is not None:
+            # its graph is being built: the fallback is the cost of not waiting for it
+            site.known_fallbacks += 1
+            detail += "; its graph is being built: not held against max_fallbacks"
+        elif not new and it.fallback_gap is not None and it.fallback_gap >= KNOWN_FALLBACK_GAP:
             # a path seen before, reached after a run of compiled iterations (an epoch's end):
             # a known, bounded cost per occurrence, so it does not count towards max_fallbacks
             site.known_fallbacks += 1
@@ -417,7 +427,7 @@ class Session:
                 self._predict(site) is None:
             self._go_eager(site, it.number, f"a repeating path cannot be compiled: {why}")
         if site.eager_reason is None and self._predict(site) is None and \
-                site.traces >= CONFIG.max_traces:
+                site.traces >= CONFIG.max_traces and id(site) not in self.builder.sites_building():
             self._go_eager(site, it.number, f"{site.traces} traces without a compilable repeat"
                            + (f" (last: {why})" if why else ""))
         hits = sum(p.hits for p in site.paths.values())
@@ -447,6 +457,8 @@ class Session:
                           f"(see terra.explain())", RuntimeWarning, stacklevel=4)
 
     def _build(self, site, path, number):
+        if self.builder.building(path):  # installed (and built again if stale by then) later
+            return
         t = time.perf_counter()
         with self.internal():
             if path.view is None:
@@ -461,19 +473,54 @@ class Session:
                             f"p{shared.id} over its own variables (the same ops on new "
                             f"variable objects), {time.perf_counter() - t:.3f} s")
                 return
-            path.graph = PathGraph(path)
-            path.built_for = path.build_key()
-            self._graphs.append(path.graph)
+            if CONFIG.background_builds:
+                self.builder.submit(site, path, number, PathGraph)
+                return
+            graph = PathGraph(path)
+        self._install(site, path, graph, path.build_key(), number, time.perf_counter() - t)
+
+    def _install(self, site, path, graph, key, number, seconds, where="") -> None:
+        graph.path = path
+        path.graph = graph
+        path.built_for = key
+        self._graphs.append(graph)
         self.counters.graph_builds += 1
         site.builds += 1
         self._event("graph_build", site, number,
                     f"graph for path p{path.id}: {len(path.trace.records)} ops, "
-                    f"{len(path.graph.feed_channels)} feeds, {len(path.graph.fetch_channels)} "
-                    f"fetches, {len(path.graph.liveouts)} outputs, "
-                    + (f"XLA scopes over {path.graph.xla_spans} compute spans, "
-                       if path.graph.xla_spans else "")
-                    + f"{time.perf_counter() - t:.2f} s")
+                    f"{len(graph.feed_channels)} feeds, {len(graph.fetch_channels)} "
+                    f"fetches, {len(graph.liveouts)} outputs, "
+                    + (f"XLA scopes over {graph.xla_spans} compute spans, "
+                       if graph.xla_spans else "")
+                    + f"{seconds:.2f} s{where}")
         self._build_site_graph(site, number)
+
+    def install_builds(self) -> None:
+        """Put the graphs the builder has finished in place (at an iteration boundary). A build
+        that raised raises here, as it would have raised in a build on this thread."""
+        for job in self.builder.finished():
+            site, path = job.site, job.path
+            if self.sites.get(site.key) is not site or site.eager_reason is not None:
+                continue  # the session was reset, or the site has given up meanwhile
+            error = job.future.exception()
+            if error is not None:  # a build that fails is Terra's gap: the site runs eagerly
+                self._go_eager(site, job.number, f"building the graph of path p{path.id} "
+                               f"raised {type(error).__name__}: {error}")
+                continue
+            graph = job.future.result()
+            job.merge_into(path)
+            self._install(site, path, graph, job.inputs.build_key(), job.number, job.seconds,
+                          f" on the builder thread, installed at iteration "
+                          f"{self.counters.iterations + 1}")
+            if path.stale:  # it learned a fetch while its graph was being built
+                self._build(site, path, self.counters.iterations)
+
+    def wait_builds(self, timeout: float | None = None) -> bool:
+        """Wait for the graphs being built and install them (see `terra.wait_builds`)."""
+        done = self.builder.wait(timeout)
+        with self.internal():
+            self.install_builds()
+        return done
 
     @staticmethod
     def _reuse(site, path):
@@ -566,6 +613,7 @@ class Session:
             pass
         with self.internal():
             self.runner.cancel(timeout=CONFIG.timeout_s)
+        self.builder.shutdown()
         if self._installed:
             hook.uninstall()
             self._installed = False

@@ -238,22 +238,32 @@ def test_pipelined_runs_consume_feeds_in_order():
 
 def _interrupt_main_once_it_waits(limit_s=120.0):
     """Ctrl-C for the main thread as soon as it is inside the runner's bounded wait (not after a
-    fixed delay, which a loaded machine can make land before the wait began)."""
+    fixed delay, which a loaded machine can make land before the wait began). A simulated
+    Ctrl-C is handled at the main thread's next bytecode, which may belong to a finalizer the
+    garbage collector runs there (whose exceptions Python drops): while the very same wait is
+    still going a second later, it is sent again."""
     main = threading.main_thread().ident
 
-    def waiting():
+    def wait_frame():
         f = sys._current_frames().get(main)
         while f is not None:
             if f.f_code in (wait_until.__code__, wait_event.__code__):
-                return True
+                return f
             f = f.f_back
-        return False
+        return None
 
     def fire():
         deadline = time.monotonic() + limit_s
-        while not waiting() and time.monotonic() < deadline:
+        frame = wait_frame()
+        while frame is None and time.monotonic() < deadline:
             time.sleep(0.005)
-        _thread.interrupt_main()
+            frame = wait_frame()
+        while frame is not None and time.monotonic() < deadline:
+            _thread.interrupt_main()
+            for _ in range(100):  # until that wait has ended (another wait is not this one)
+                time.sleep(0.01)
+                if wait_frame() is not frame:
+                    return
     t = threading.Thread(target=fire, daemon=True)
     t.start()
     return t

@@ -1,0 +1,123 @@
+"""Graph builds off the critical path (setting `background_builds`).
+
+A path's graph (lowering, tracing its concrete function) is built on one builder thread while
+the program goes on; the session installs a finished build at the next iteration boundary
+(`Session.install_builds`), so no iteration sees a graph appear under it. Until then the path's
+iterations run as they would have before it was compiled: traced eagerly, or falling back from
+another path's graph.
+
+A build reads a copy of what the graph depends on (`BuildInputs`): the main thread goes on
+filing traces into the path meanwhile, and a path that learned a fetch since its build was
+submitted is built again when that build is installed. The hook intercepts only the thread that
+runs the iterations, so the builder's own TF calls are never recorded.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+__all__ = ["BuildInputs", "Builder", "Job"]
+
+
+class BuildInputs:
+    """What a path's graph is built from (`PathGraph` reads these and only these), copied from
+    the path when its build is submitted. `PathGraph` may add fetch points (the values a unit's
+    shape check reads); `Job.merge_into` hands them back to the path."""
+
+    def __init__(self, path):
+        self.trace = path.trace
+        self.view = path.view
+        self.units = dict(path.units)
+        self.verified = set(path.verified)
+        self.fetch_points = dict(path.fetch_points)
+        self.outside_reads = set(path.outside_reads)
+        self.liveouts = set(path.liveouts)
+        self.static = path.static
+        self.id = path.id
+
+    def usable_units(self) -> dict:
+        return {s: u for s, u in self.units.items() if not u.feeds or s in self.verified}
+
+    def build_key(self) -> tuple:
+        return (frozenset(self.liveouts), frozenset(self.fetch_points),
+                frozenset(self.outside_reads))
+
+
+@dataclass
+class Job:
+    """One submitted build: `future` gives the graph (or raises what the build raised)."""
+    site: object
+    path: object
+    inputs: BuildInputs
+    number: int                 # the iteration after which it was submitted
+    future: Future
+    submitted: float = field(default_factory=time.perf_counter)
+    seconds: float = 0.0        # the build's own time on the builder thread
+
+    def merge_into(self, path) -> None:
+        """The fetch points the build added (reads of shapes the graph does not know)."""
+        for ref, after in self.inputs.fetch_points.items():
+            path.fetch_points.setdefault(ref, after)
+        path.outside_reads |= self.inputs.outside_reads
+
+
+class Builder:
+    """One thread that builds graphs in submission order. Its thread is joined at interpreter
+    exit (ThreadPoolExecutor's exit hook) before TF is torn down."""
+
+    def __init__(self):
+        self._pool: ThreadPoolExecutor | None = None
+        self.jobs: list[Job] = []   # submitted, not yet installed (submission order)
+
+    def submit(self, site, path, number, build: Callable) -> Job:
+        """Build `build(inputs)` for `path` on the builder thread."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="terra-builder")
+        inputs = BuildInputs(path)
+        job = Job(site, path, inputs, number, Future())
+
+        def work():
+            t = time.perf_counter()
+            try:
+                return build(inputs)
+            finally:
+                job.seconds = time.perf_counter() - t
+
+        job.future = self._pool.submit(work)
+        self.jobs.append(job)
+        return job
+
+    def building(self, path) -> bool:
+        return any(j.path is path for j in self.jobs)
+
+    def sites_building(self) -> set:
+        return {id(j.site) for j in self.jobs}
+
+    def finished(self) -> list[Job]:
+        """The jobs whose builds have ended (taken out of `jobs`), oldest first."""
+        done = [j for j in self.jobs if j.future.done()]
+        for j in done:
+            self.jobs.remove(j)
+        return done
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted build has ended; False if `timeout` passed first."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        for j in list(self.jobs):
+            left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            try:
+                j.future.exception(timeout=left)
+            except TimeoutError:
+                return False
+        return True
+
+    def shutdown(self) -> None:
+        """Let the running build end, drop the queued ones, stop the thread."""
+        for j in self.jobs:
+            j.future.cancel()
+        self.jobs = []
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
