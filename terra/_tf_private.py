@@ -71,6 +71,29 @@ def context():
 # `(output_structure, is_stateful, op, outputs)`.
 apply_op_helper = _op_def_library._apply_op_helper  # pylint: disable=protected-access
 
+
+
+def attr_protos(op_type: str, op_def, values: dict):
+    """`{name: AttrValue}` for every attr of `op_def` from Python `values` (dtypes, shapes,
+    lists, as `_apply_op_helper` holds them after inference), checked as TF checks them; None
+    if one is missing."""
+    if any(a.name not in values for a in op_def.attr):
+        return None
+    protos: dict = {}
+    _op_def_library._ExtractAttrProto(op_type, op_def, values, protos)  # pylint: disable=protected-access
+    return protos
+
+
+def create_op(op_type: str, flat_inputs, protos: dict, op_def):
+    """The op `op_type` in the current graph from its flat inputs and every attr as a proto
+    (no input conversion or attr inference: what `_apply_op_helper` does when both are known),
+    named as `_apply_op_helper` names it; returns its outputs."""
+    g = _ops.get_default_graph()
+    op = g._create_op_internal(op_type, flat_inputs, dtypes=None, name=op_type,  # pylint: disable=protected-access
+                               attrs=protos, op_def=op_def)
+    return op.outputs
+
+
 # The read that C++ inserts when a raw variable feeds a non-resource input; replay makes it explicit.
 read_variable_op = _gen_rv.read_variable_op
 assign_variable_op = _gen_rv.assign_variable_op

@@ -68,6 +68,31 @@ def test_replay_helpers():
         assert float(tf.function(lambda: v * 2.0)()) == 4.0
 
 
+def test_ops_are_created_from_attr_protos_as_apply_op_helper_creates_them():
+    """replay's direct op creation (`attr_protos`, `create_op`): the same node as
+    `_apply_op_helper` makes (type, attrs, name), and None where an attr is not given."""
+    op_def = tfp.get_op_def("MatMul")
+    values = {"T": tf.float32, "transpose_a": False, "transpose_b": True, "grad_a": False,
+              "grad_b": False}
+    protos = tfp.attr_protos("MatMul", op_def, values)
+    assert protos is not None and set(protos) == {a.name for a in op_def.attr}
+    assert tfp.attr_protos("MatMul", op_def, {"T": tf.float32}) is None
+
+    @tf.function(autograph=False)
+    def f(a, b):
+        with tf.name_scope("r3"):
+            (direct,) = tfp.create_op("MatMul", [a, b], protos, op_def)
+        with tf.name_scope("r4"):
+            helper = tfp.apply_op_helper("MatMul", a=a, b=b, transpose_a=False, transpose_b=True,
+                                         grad_a=False, grad_b=False)[3][0]
+        assert direct.op.name == "r3/MatMul" and helper.op.name == "r4/MatMul"
+        assert direct.op.node_def.attr == helper.op.node_def.attr
+        return direct, helper
+    x = tf.constant([[1.0, 2.0]])
+    d, h = f(x, x)
+    assert d.numpy().tolist() == h.numpy().tolist() == [[5.0]]
+
+
 def test_assign_variable_op_writes_by_handle():
     v = tf.Variable([1.0, 2.0])
     tfp.assign_variable_op(v.handle, tf.constant([5.0, 6.0]))

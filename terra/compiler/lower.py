@@ -4,7 +4,7 @@
     runner.start(lowered.function)        # no arguments: every input arrives through a channel
 
 Construct by construct (docs/lowering.md has the details and an example):
-- op node: the recorded op rebuilt with replay's op emission (`_apply_op_helper`), named
+- op node: the recorded op rebuilt with replay's op emission (replay.Builder.op), named
   `terra_op_<node id>` so runtime errors map back to the node;
 - switch-case (Algorithm 1) with several cases, or a single case that a finished path skips:
   one `tf.switch_case` whose index is a Case-Select feed; an extra empty default branch when some

@@ -5,9 +5,11 @@
 
 The function's arguments are the trace's feeds, in slot order; its variables are the recorded
 variables themselves (their resource handles are captured), so updates land in the real
-variables. Ops are rebuilt with `_apply_op_helper` from recorded inputs and non-inferred attrs
-inside `tf.function(autograph=False)`, whose automatic control dependencies keep variable reads
-and writes in recorded order. Function-call records call the recorded function object.
+variables. Ops are created straight from their recorded inputs and every recorded attr (as
+AttrValue protos, cached per op type and attrs: about half the Python of `_apply_op_helper`,
+which is kept for an op whose attrs or inputs only it can convert) inside
+`tf.function(autograph=False)`, whose automatic control dependencies keep variable reads and
+writes in recorded order. Function-call records call the recorded function object.
 """
 from __future__ import annotations
 
@@ -120,6 +122,31 @@ class Builder:
                     self.value(r)  # dequeued all the same: the channels stay in step
             return []
         op_def = tfp.get_op_def(rec.op_type)
+        protos = _protos_of(rec, op_def)
+        if protos is not None:
+            return self._create(rec, op_def, protos)
+        return self._apply(rec, op_def)
+
+    def _create(self, rec, op_def, protos):
+        """The op straight from its recorded attrs (all of them are recorded): about half the
+        Python of `_apply_op_helper`, which converts inputs and infers attrs again."""
+        attrs = dict(rec.attrs)
+        flat = []
+        for arg, ref in zip(op_def.input_arg, rec.inputs):
+            if arg.type_list_attr:
+                flat.extend(self.value(r, d) for r, d in zip(ref, attrs[arg.type_list_attr]))
+                continue
+            dtype = attrs.get(arg.type_attr) if arg.type_attr else tf.as_dtype(arg.type).name
+            if arg.number_attr:
+                flat.extend(self.value(r, dtype) for r in ref)
+            else:
+                flat.append(self.value(ref, dtype))
+        try:
+            return tfp.create_op(rec.op_type, flat, protos, op_def)
+        except (TypeError, ValueError):  # an input TF would have converted: its own way
+            return self._apply(rec, op_def)
+
+    def _apply(self, rec, op_def):
         attrs = dict(rec.attrs)
         kwargs, inferred = {}, set()
         for arg, ref in zip(op_def.input_arg, rec.inputs):
@@ -149,6 +176,27 @@ class Builder:
             for j, t in enumerate(outs or ()):
                 self.env[(rec.index, j)] = t
         return self.env
+
+
+# (op_type, recorded attrs) -> AttrValue protos of every attr (None: some attr is not recorded)
+_PROTOS: dict = {}
+_PROTOS_MAX = 50000
+
+
+def _protos_of(rec, op_def):
+    key = (rec.op_type, rec.attrs)
+    protos = _PROTOS.get(key, False)
+    if protos is False:
+        types = {a.name: a.type for a in op_def.attr}
+        try:
+            values = {name: _thaw(types[name], v) for name, v in rec.attrs if name in types}
+            protos = tfp.attr_protos(rec.op_type, op_def, values)
+        except (TypeError, ValueError):  # an attr kept in a form only `_apply` converts
+            protos = None
+        if len(_PROTOS) >= _PROTOS_MAX:
+            _PROTOS.clear()
+        _PROTOS[key] = protos
+    return protos
 
 
 def compile_trace(trace: Trace, outputs: Sequence[OutputRef] = (), *,
