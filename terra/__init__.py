@@ -54,7 +54,7 @@ def wait_builds(timeout: float | None = None) -> bool:
     and put them in place for the next iteration; False if `timeout` seconds passed first. A
     program never needs this (it goes on while graphs are built); a benchmark that wants its
     timed steps compiled calls it after its warm-up."""
-    return _SESSION.wait_builds(timeout)
+    return _SESSION.builds.wait(timeout)
 
 
 def end_iteration() -> None:

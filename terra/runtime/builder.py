@@ -2,7 +2,7 @@
 
 A path's graph (lowering, tracing its concrete function) is built on one builder thread while
 the program goes on; the session installs a finished build at the next iteration boundary
-(`Session.install_builds`), so no iteration sees a graph appear under it. Until then the path's
+(`Builds.install_finished`, builds.py), so no iteration sees a graph appear under it. Until then the path's
 iterations run as they would have before it was compiled: traced eagerly, or falling back from
 another path's graph.
 

@@ -15,7 +15,8 @@ Per site the session goes through phases:
   traces cannot be compiled, stays eager (one warning, reason in `explain()`).
 
 The rooms it uses: sites.py (Site and Path data, signatures, generalization, what cannot be
-compiled), path_graph.py (one path as one graph), site_graph.py (all compiled paths of a site as
+compiled), builds.py (building and installing the graphs of paths, on this thread or the
+builder's), path_graph.py (one path as one graph), site_graph.py (all compiled paths of a site as
 one lowered graph), iteration.py (one iteration: skip mode, switches, fallback, end), units.py
 (coarse units: gradient, apply_gradients, layer and tf.function calls), explain.py (events,
 `explain()`, `summary()`).
@@ -25,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-import time
 import warnings
 
 import tensorflow as tf
@@ -34,23 +34,22 @@ from terra import _tf_private as tfp
 from terra.config import CONFIG
 from terra.runtime import units as unit_rules
 from terra.runtime import explain
-from terra.runtime.builder import Builder
+from terra.runtime.builds import Builds
 from terra.runtime.explain import Counters, Event, EventKind
-from terra.runtime.fallback import EagerReplay, Snapshot, written_variables
+from terra.runtime.fallback import EagerReplay
 from terra.runtime.held import held_refs
 from terra.runtime.interrupts import held_interrupts
 from terra.runtime.iteration import Iteration, with_location
 from terra.runtime.iteration_end import FAILED
-from terra.runtime.path_graph import ConfiguredRunner, PathGraph
+from terra.runtime.path_graph import ConfiguredRunner
 from terra.runtime.divergence import Divergence, user_line
 from terra.runtime.path_view import PathView
 from terra.runtime.python_runner import PythonRunner
 from terra.runtime.executable import PathRun
-from terra.runtime.site_graph import SiteGraph, SiteRun
+from terra.runtime.site_graph import SiteRun
 from terra.runtime.sites import (KNOWN_FALLBACK_GAP, KNOWN_REUSE_GAP, Path, Site, generalize,
                                  path_signature, read_changed_spans, reads_feed_values,
-                                 uncompilable, units_for,
-                                 variable_renaming)
+                                 uncompilable, units_for)
 from terra.tracing import hook
 from terra.tracing.recorder import ContinuingRecorder
 from terra.tracing.locations import caller_step_try
@@ -73,7 +72,6 @@ class Session:
         self.counters = Counters()
         self._installed = False
         self._graphs: list = []
-        self.builder = Builder()            # graphs built off the critical path
         self.runner = ConfiguredRunner(error_context=self._error_context)
         self._warned: set = set()
         self._depth = 0
@@ -84,6 +82,8 @@ class Session:
         self.deferred_error = None       # an earlier iteration's error, raised at a sync point
         self._tape_functions: dict = {}   # forward function name -> TapeRecordedFunction
         self._function_ops: dict = {}     # function name -> op types in its body
+        self.builds = Builds(sites=self.sites, counters=self.counters, graphs=self._graphs,
+                             event=self._event, internal=self.internal, go_eager=self._go_eager)
 
     # ---------------------------------------------------------------- helpers
     @contextlib.contextmanager
@@ -271,9 +271,9 @@ class Session:
     def _begin(self, site, frame, tape) -> None:
         self._ensure_hook()
         hook.set_active(None)
-        if self.builder.jobs:
+        if self.builds.builder.jobs:
             with self.internal():
-                self.install_builds()
+                self.builds.install_finished()
         if self.pending and (site.eager_reason is not None or self._predict(site) is None):
             with held_interrupts():  # ops of this iteration run eagerly: earlier runs end first
                 self.collect_pending()
@@ -395,7 +395,7 @@ class Session:
                   if new else f"path p{path.id} seen {path.count} times")
         if why:
             detail += f"; not compilable: {why}"
-        building = self.builder.building(path)
+        building = self.builds.builder.building(path)
         if building and it.fallback_gap is not None:
             # its graph is being built: the fallback is the cost of not waiting for it
             site.known_fallbacks += 1
@@ -408,7 +408,7 @@ class Session:
         self._event("trace", site, it.number, detail, "")
         compiled_before = any(p.graph is not None for p in site.paths.values())
         if why is None and (path.count >= 2 or compiled_before) and path.stale:
-            self._build(site, path, it.number)
+            self.builds.build(site, path, it.number)
             if new and path.rebound is not None and it.fallback_gap is not None and \
                     it.fallback_gap >= KNOWN_REUSE_GAP:
                 site.known_fallbacks += 1  # a bounded cost per occurrence: see KNOWN_REUSE_GAP
@@ -419,7 +419,7 @@ class Session:
             # Python read where the path's graph did not fetch it) is rebuilt now: a stale path
             # is never predicted, and might never be traced again to be rebuilt
             if other is not path and other.graph is not None and other.stale:
-                self._build(site, other, it.number)
+                self.builds.build(site, other, it.number)
         if path.graph is not None:
             site.last_path = path
         site.note_path(path)
@@ -427,7 +427,8 @@ class Session:
                 self._predict(site) is None:
             self._go_eager(site, it.number, f"a repeating path cannot be compiled: {why}")
         if site.eager_reason is None and self._predict(site) is None and \
-                site.traces >= CONFIG.max_traces and id(site) not in self.builder.sites_building():
+                site.traces >= CONFIG.max_traces and \
+                id(site) not in self.builds.builder.sites_building():
             self._go_eager(site, it.number, f"{site.traces} traces without a compilable repeat"
                            + (f" (last: {why})" if why else ""))
         hits = sum(p.hits for p in site.paths.values())
@@ -455,123 +456,6 @@ class Session:
             self._warned.add(site.key)
             warnings.warn(f"terra: {site.label} runs eagerly from now on: {reason} "
                           f"(see terra.explain())", RuntimeWarning, stacklevel=4)
-
-    def _build(self, site, path, number):
-        if self.builder.building(path):  # installed (and built again if stale by then) later
-            return
-        t = time.perf_counter()
-        with self.internal():
-            if path.view is None:
-                path.view = PathView(path.trace, path.usable_units(), site.key, site.caller_step_try)
-            if path.snapshot is None:
-                path.snapshot = Snapshot.of(written_variables(path.trace))
-            shared = self._reuse(site, path)
-            if shared is not None:
-                path.built_for = path.build_key()
-                self.counters.graph_reuses += 1
-                self._event("graph_reuse", site, number, f"path p{path.id} runs the graph of "
-                            f"p{shared.id} over its own variables (the same ops on new "
-                            f"variable objects), {time.perf_counter() - t:.3f} s")
-                return
-            if CONFIG.background_builds:
-                self.builder.submit(site, path, number, PathGraph)
-                return
-            graph = PathGraph(path)
-        self._install(site, path, graph, path.build_key(), number, time.perf_counter() - t)
-
-    def _install(self, site, path, graph, key, number, seconds, where="") -> None:
-        graph.path = path
-        path.graph = graph
-        path.built_for = key
-        self._graphs.append(graph)
-        self.counters.graph_builds += 1
-        site.builds += 1
-        self._event("graph_build", site, number,
-                    f"graph for path p{path.id}: {len(path.trace.records)} ops, "
-                    f"{len(graph.feed_channels)} feeds, {len(graph.fetch_channels)} "
-                    f"fetches, {len(graph.liveouts)} outputs, "
-                    + (f"XLA scopes over {graph.xla_spans} compute spans, "
-                       if graph.xla_spans else "")
-                    + f"{seconds:.2f} s{where}")
-        self._build_site_graph(site, number)
-
-    def install_builds(self) -> None:
-        """Put the graphs the builder has finished in place (at an iteration boundary). A build
-        that raised raises here, as it would have raised in a build on this thread."""
-        for job in self.builder.finished():
-            site, path = job.site, job.path
-            if self.sites.get(site.key) is not site or site.eager_reason is not None:
-                continue  # the session was reset, or the site has given up meanwhile
-            error = job.future.exception()
-            if error is not None:  # a build that fails is Terra's gap: the site runs eagerly
-                self._go_eager(site, job.number, f"building the graph of path p{path.id} "
-                               f"raised {type(error).__name__}: {error}")
-                continue
-            graph = job.future.result()
-            job.merge_into(path)
-            self._install(site, path, graph, job.inputs.build_key(), job.number, job.seconds,
-                          f" on the builder thread, installed at iteration "
-                          f"{self.counters.iterations + 1}")
-            if path.stale:  # it learned a fetch while its graph was being built
-                self._build(site, path, self.counters.iterations)
-
-    def wait_builds(self, timeout: float | None = None) -> bool:
-        """Wait for the graphs being built and install them (see `terra.wait_builds`)."""
-        done = self.builder.wait(timeout)
-        with self.internal():
-            self.install_builds()
-        return done
-
-    @staticmethod
-    def _reuse(site, path):
-        """A compiled path of `site` whose graph `path` can run over its own variables
-        (`variable_renaming`; the graph was built for the same fetches and outputs): bound to
-        `path` and returned; None if there is none."""
-        key = path.build_key()
-        for q in site.paths.values():
-            if q is path or q.graph is None or q.stale or q.graph.path is not q or \
-                    q.built_for != key:
-                continue
-            renaming = variable_renaming(q.trace, path.trace)
-            if renaming is not None and q.graph.bind(path, renaming):
-                return q
-        return None
-
-    def _build_site_graph(self, site, number) -> None:
-        """(Re)build the site's SiteGraph over its compiled paths when there are two or more
-        (one path keeps its cheaper PathGraph). A lowering that fails leaves the site on
-        PathGraphs (said in explain())."""
-        if not CONFIG.site_graph:
-            return
-        paths = [p for p in site.paths.values() if p.graph is not None and not p.stale and
-                 p.view is not None]
-        if len(paths) < 2:
-            return
-        key = SiteGraph.key_of(paths)
-        if site.site_graph is not None and site.site_graph.built_for == key or \
-                site.site_graph_failed == key:
-            return
-        gated = [p for p in paths if p.graph.gate_channels]
-        if gated:  # the site graph's lowering has no gates: each path keeps its own graph
-            site.site_graph, site.site_graph_failed = None, key
-            self._event("graph_build", site, number, f"no site graph: path p{gated[0].id} "
-                        "skips a unit only after checking a shape its graph does not know "
-                        "(a gate the site graph lacks); paths switch by restarting")
-            return
-        try:
-            with self.internal():
-                sg = SiteGraph(paths)
-        except Exception as e:  # noqa: BLE001 - the PathGraphs still run every path
-            site.site_graph_failed = key
-            self._event("graph_build", site, number, f"no site graph for {len(paths)} paths: "
-                        f"{type(e).__name__}: {str(e)[:200]}; paths switch by restarting")
-            return
-        site.site_graph = sg
-        self._graphs.append(sg)
-        self.counters.graph_builds += 1
-        self._event("graph_build", site, number, f"site graph (switch_case / while_loop) for "
-                    f"{sg.describe()}, {sg.build_seconds:.2f} s; branches switch without a "
-                    f"restart")
 
     # ---------------------------------------------------------------- public
     def end(self) -> None:
@@ -613,7 +497,7 @@ class Session:
             pass
         with self.internal():
             self.runner.cancel(timeout=CONFIG.timeout_s)
-        self.builder.shutdown()
+        self.builds.builder.shutdown()
         if self._installed:
             hook.uninstall()
             self._installed = False

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import terra  # noqa: E402
-from terra.runtime import session as session_module  # noqa: E402
+from terra.runtime import builds as builds_module  # noqa: E402
 from terra.runtime.session import SESSION  # noqa: E402
 
 
@@ -38,7 +38,7 @@ class Gate:
         self.event = threading.Event()
         self.started = 0
         self.fail = fail
-        real = session_module.PathGraph
+        real = builds_module.PathGraph
 
         def build(inputs):
             self.started += 1
@@ -47,7 +47,7 @@ class Gate:
                 raise RuntimeError("lowering failed")
             return real(inputs)
 
-        monkeypatch.setattr(session_module, "PathGraph", build)
+        monkeypatch.setattr(builds_module, "PathGraph", build)
 
     def open(self):
         self.event.set()
@@ -140,10 +140,10 @@ def test_a_build_that_raises_leaves_the_site_eager_and_says_why(monkeypatch):
 def test_reset_with_a_build_in_flight_ends_the_builder_thread(monkeypatch):
     gate = Gate(monkeypatch)
     _program(terra.GradientTape, 4)
-    assert gate.started == 1 and SESSION.builder.jobs
+    assert gate.started == 1 and SESSION.builds.builder.jobs
     gate.event.set()
     terra.reset()
-    assert not SESSION.builder.jobs
+    assert not SESSION.builds.builder.jobs
     assert not [t for t in threading.enumerate() if t.name.startswith("terra-builder")]
     # the next program builds afresh
     monkeypatch.undo()
@@ -165,7 +165,7 @@ def test_the_interpreter_exits_cleanly_with_a_build_in_flight():
                 loss = tf.reduce_sum(tf.tanh(w @ w))
             w.assign_sub(0.001 * tape.gradient(loss, w))
         terra.end_iteration()
-        print("jobs", len(terra.runtime.session.SESSION.builder.jobs))
+        print("jobs", len(terra.runtime.session.SESSION.builds.builder.jobs))
     """)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=os.getcwd())
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
