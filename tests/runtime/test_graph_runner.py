@@ -14,6 +14,7 @@ import tensorflow as tf  # noqa: E402
 from terra.compiler.channels import (FeedChannel, FeedFetchOrder, FetchChannel,  # noqa: E402
                                     wait_event, wait_until)
 from terra.errors import TerraRuntimeError, TerraTimeoutError  # noqa: E402
+from tests.fresh_process import in_fresh_process  # noqa: E402
 from terra.runtime.graph_runner import (FetchResolver, GraphRunner, op_index_of,  # noqa: E402
                                         op_node_name, timing, with_error_context)
 
@@ -269,7 +270,9 @@ def _interrupt_main_once_it_waits(limit_s=120.0):
     return t
 
 
-def test_keyboard_interrupt_while_fetching_cancels_the_graph():
+def test_keyboard_interrupt_while_fetching_cancels_the_graph(request):
+    if in_fresh_process(request):  # (tests/fresh_process.py says why)
+        return
     assert threading.current_thread() is threading.main_thread()
     feed = FeedChannel(tf.float32, [], name="ki_feed")
     fetch = FetchChannel(tf.float32, [], name="ki_fetch")
@@ -292,7 +295,9 @@ def test_keyboard_interrupt_while_fetching_cancels_the_graph():
     r.result(10)
 
 
-def test_keyboard_interrupt_while_waiting_for_result_cancels_the_graph():
+def test_keyboard_interrupt_while_waiting_for_result_cancels_the_graph(request):
+    if in_fresh_process(request):
+        return
     feed = FeedChannel(tf.float32, [], name="ki2")
 
     @tf.function(autograph=False)
