@@ -24,3 +24,17 @@ def fresh_terra():
     terra.reset()
     yield
     terra.reset()
+
+
+@pytest.fixture
+def python_sigint():
+    """Python's own Ctrl-C handler for a test that sends a simulated Ctrl-C
+    (`_thread.interrupt_main`), whatever this process inherited: a process started in the
+    background by a non-interactive shell (`make test &`) begins with SIGINT ignored, Python then
+    installs no handler of its own, and `interrupt_main` does nothing (the test would wait out
+    its bound)."""
+    import signal
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+

@@ -14,7 +14,6 @@ import tensorflow as tf  # noqa: E402
 from terra.compiler.channels import (FeedChannel, FeedFetchOrder, FetchChannel,  # noqa: E402
                                     wait_event, wait_until)
 from terra.errors import TerraRuntimeError, TerraTimeoutError  # noqa: E402
-from tests.fresh_process import in_fresh_process  # noqa: E402
 from terra.runtime.graph_runner import (FetchResolver, GraphRunner, op_index_of,  # noqa: E402
                                         op_node_name, timing, with_error_context)
 
@@ -239,40 +238,29 @@ def test_pipelined_runs_consume_feeds_in_order():
 
 def _interrupt_main_once_it_waits(limit_s=120.0):
     """Ctrl-C for the main thread as soon as it is inside the runner's bounded wait (not after a
-    fixed delay, which a loaded machine can make land before the wait began). A simulated
-    Ctrl-C is handled at the main thread's next bytecode, which may belong to a finalizer the
-    garbage collector runs there (whose exceptions Python drops): while the very same wait is
-    still going a second later, it is sent again."""
+    fixed delay, which a loaded machine can make land before the wait began)."""
     main = threading.main_thread().ident
 
-    def wait_frame():
+    def waiting():
         f = sys._current_frames().get(main)
         while f is not None:
             if f.f_code in (wait_until.__code__, wait_event.__code__):
-                return f
+                return True
             f = f.f_back
-        return None
+        return False
 
     def fire():
         deadline = time.monotonic() + limit_s
-        frame = wait_frame()
-        while frame is None and time.monotonic() < deadline:
+        while not waiting() and time.monotonic() < deadline:
             time.sleep(0.005)
-            frame = wait_frame()
-        while frame is not None and time.monotonic() < deadline:
-            _thread.interrupt_main()
-            for _ in range(100):  # until that wait has ended (another wait is not this one)
-                time.sleep(0.01)
-                if wait_frame() is not frame:
-                    return
+        _thread.interrupt_main()
     t = threading.Thread(target=fire, daemon=True)
     t.start()
     return t
 
 
-def test_keyboard_interrupt_while_fetching_cancels_the_graph(request):
-    if in_fresh_process(request):  # (tests/fresh_process.py says why)
-        return
+@pytest.mark.usefixtures("python_sigint")
+def test_keyboard_interrupt_while_fetching_cancels_the_graph():
     assert threading.current_thread() is threading.main_thread()
     feed = FeedChannel(tf.float32, [], name="ki_feed")
     fetch = FetchChannel(tf.float32, [], name="ki_fetch")
@@ -295,9 +283,8 @@ def test_keyboard_interrupt_while_fetching_cancels_the_graph(request):
     r.result(10)
 
 
-def test_keyboard_interrupt_while_waiting_for_result_cancels_the_graph(request):
-    if in_fresh_process(request):
-        return
+@pytest.mark.usefixtures("python_sigint")
+def test_keyboard_interrupt_while_waiting_for_result_cancels_the_graph():
     feed = FeedChannel(tf.float32, [], name="ki2")
 
     @tf.function(autograph=False)

@@ -19,12 +19,11 @@ import terra  # noqa: E402
 from terra.compiler.channels import wait_event, wait_until  # noqa: E402
 from terra.runtime.interrupts import held_interrupts  # noqa: E402
 from terra.runtime.iteration import Iteration  # noqa: E402
-from tests.fresh_process import in_fresh_process  # noqa: E402
 
 STEPS = 40
 
 
-pytestmark = pytest.mark.usefixtures("fresh_terra")
+pytestmark = pytest.mark.usefixtures("fresh_terra", "python_sigint")
 
 
 def _data():
@@ -80,9 +79,7 @@ def _interrupt_once_finishing_waits(stop):
     return t
 
 
-def test_ctrl_c_while_the_left_step_completes_keeps_that_step(request):
-    if in_fresh_process(request):  # (tests/fresh_process.py says why)
-        return
+def test_ctrl_c_while_the_left_step_completes_keeps_that_step():
     stop = threading.Event()
     firing = _interrupt_once_finishing_waits(stop)
     try:
@@ -97,9 +94,7 @@ def test_ctrl_c_while_the_left_step_completes_keeps_that_step(request):
         np.testing.assert_array_equal(a, b)
 
 
-def test_held_interrupts_raises_after_the_block_and_a_second_press_at_once(request):
-    if in_fresh_process(request):
-        return
+def test_held_interrupts_raises_after_the_block_and_a_second_press_at_once():
     with pytest.raises(KeyboardInterrupt):
         with held_interrupts() as held:
             _thread.interrupt_main()
