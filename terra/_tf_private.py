@@ -94,6 +94,13 @@ def create_op(op_type: str, flat_inputs, protos: dict, op_def):
     return op.outputs
 
 
+# A function graph outside any `tf.function`: eager variables' handles are captured into it (with
+# their shape data), so TF infers the shapes of a whole trace without tracing a function
+# (`compiler.shapes.unknown_shapes`).
+from tensorflow.python.framework import func_graph as _func_graph  # noqa: E402
+FuncGraph = _func_graph.FuncGraph
+
+
 # The read that C++ inserts when a raw variable feeds a non-resource input; replay makes it explicit.
 read_variable_op = _gen_rv.read_variable_op
 assign_variable_op = _gen_rv.assign_variable_op

@@ -55,6 +55,9 @@ class Config:
       (switch_case / while_loop): a branch Python takes is a Case-Select put, not a restart.
       Off by default (docs/usage.md, "Branches: the site graph": slower where measured, and
       rebuilt whole for every new path).
+    shape_groups: paths that differ only in shapes (another batch size or sequence length) and
+      in constants made from them share one graph whose differing dimensions are unknown: a new
+      length costs a trace, not a build (docs/usage.md, "Varying shapes"). Not with site_graph.
     """
     enabled: bool = True
     coexecution: bool = True
@@ -72,6 +75,7 @@ class Config:
     layer_units: bool = True
     site_graph: bool = False
     background_builds: bool = False
+    shape_groups: bool = True
 
 
 CONFIG = Config()
@@ -79,7 +83,7 @@ CONFIG = Config()
 _CHECKS = {
     "enabled": (bool,), "coexecution": (bool,), "overlap_iterations": (bool,), "xla": (bool,), "grappler": (bool,),
     "arithmetic_optimizer": (bool,), "remapper": (bool,), "constant_folding": (bool,), "layer_units": (bool,), "site_graph": (bool,),
-    "background_builds": (bool,),
+    "background_builds": (bool,), "shape_groups": (bool,),
     "max_traces": (int,), "max_fallbacks": (int,), "verbose": (int,), "max_trace_ops": (int,),
     "timeout_s": (int, float),
 }

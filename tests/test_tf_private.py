@@ -66,6 +66,11 @@ def test_replay_helpers():
     assert float(tfp.read_variable_op(v.handle, tf.float32)) == 2.0
     with tfp.function_call_config(tfp.disable_grappler):
         assert float(tf.function(lambda: v * 2.0)()) == 4.0
+    # a function graph captures an eager variable's handle with its shape data
+    w = tf.Variable(tf.zeros((2, 3)))
+    with tfp.FuncGraph("probe").as_default():
+        read = tfp.read_variable_op(w.handle, tf.float32)
+    assert read.shape.as_list() == [2, 3]
 
 
 def test_ops_are_created_from_attr_protos_as_apply_op_helper_creates_them():

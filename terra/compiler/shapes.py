@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from terra import _tf_private as tfp
 from terra.compiler.replay import Builder
 from terra.ir.records import ConstRef, FeedRef, OutputRef, Trace, VariableRef
 
@@ -59,3 +60,42 @@ def shapes_fixed(rec, spec_of) -> bool:
             fixed = False
         _cache[key] = fixed
     return fixed
+
+
+_outputs_cache: dict = {}
+
+
+def output_shapes(rec, spec_of):
+    """The output shapes TF infers for op record `rec` with inputs of the specs `spec_of(ref)`
+    gives (constants as recorded): a tuple with a shape tuple per output, None for one TF cannot
+    fix; None if the op cannot be built here (function calls included). Cached per op, attrs,
+    input specs and constants."""
+    if rec.route == "function":
+        return None
+    key = _key(rec, spec_of)
+    out = _outputs_cache.get(key, False)
+    if out is False:
+        try:
+            with tf.Graph().as_default():
+                outs = _Probe(spec_of).op(rec)
+                out = tuple(tuple(t.shape.as_list()) if t.shape.is_fully_defined() else None
+                            for t in outs)
+        except Exception:  # noqa: BLE001 - an op the probe cannot build
+            out = None
+        if len(_outputs_cache) > 20000:
+            _outputs_cache.clear()
+        _outputs_cache[key] = out
+    return out
+
+
+def unknown_shapes(trace: Trace) -> frozenset:
+    """Outputs of `trace` whose shapes TF's inference cannot give before the graph runs, with
+    every feed of its recorded shape and every constant as recorded (a `tf.where`'s length, a
+    `tf.range` over a computed limit): one op-creation pass, no function is traced. Host ops
+    produce nothing in a graph and count as known."""
+    graph = tfp.FuncGraph("terra_shapes")
+    with graph.as_default():
+        feeds = [tf.compat.v1.placeholder(f.spec.dtype, f.spec.shape) for f in trace.feeds]
+        env = Builder(trace, feeds).run()
+    return frozenset(OutputRef(i, j) for (i, j), t in env.items()
+                     if not t.shape.is_fully_defined())

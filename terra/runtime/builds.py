@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import time
 
+from terra.compiler.shapes import unknown_shapes
 from terra.config import CONFIG
 from terra.runtime.builder import Builder
 from terra.runtime.fallback import Snapshot, written_variables
-from terra.runtime.path_graph import PathGraph
+from terra.runtime.path_graph import PathGraph, skip_fetch_points
 from terra.runtime.path_view import PathView
+from terra.runtime.shape_groups import Relaxed, ShapeGroup, member_values, relax
 from terra.runtime.site_graph import SiteGraph
-from terra.runtime.sites import variable_renaming
+from terra.runtime.sites import Path, reads_feed_values, uncompilable, variable_renaming
 
 __all__ = ["Builds"]
 
@@ -35,6 +37,9 @@ class Builds:
     def build(self, site, path, number):
         """Give `path` a graph: another path's over its variables, or its own, built here or
         (`background_builds`) submitted to the builder."""
+        if path.group is not None:
+            self.build_group(site, path.group, number)
+            return
         if self.builder.building(path):  # installed (and built again if stale by then) later
             return
         t = time.perf_counter()
@@ -56,6 +61,123 @@ class Builds:
                 return
             graph = PathGraph(path)
         self.install(site, path, graph, path.build_key(), number, time.perf_counter() - t)
+
+    # ------------------------------------------------------------------ shape groups
+    def join_group(self, site, path, number) -> str | None:
+        """File new path `path` in a shape group of `site` (shape_groups.py): one whose relaxed
+        trace covers it runs it on the group's graph at once (no build); one it relaxes further
+        is rebuilt; or a new group with another compilable path is built. Returns "reuse" or
+        "build"; None if `path` differs from every other path in more than shapes."""
+        if self.builder.building(path) or uncompilable(path.trace, path.units) or \
+                reads_feed_values(path.units):
+            return None
+        for g in site.shape_groups:
+            relaxed = relax(g.relaxed, path.trace)
+            values = None if relaxed is None else member_values(relaxed, path.trace)
+            if values is None:
+                continue
+            # (a unit the graph gates must be one the member skips whole: it opens the gate)
+            covered = relaxed.trace.records == g.relaxed.trace.records and \
+                [f.spec for f in relaxed.trace.feeds] == [f.spec for f in g.relaxed.trace.feeds] \
+                and g.graph is not None and set(g.graph.gate_channels) <= set(path.usable_units())
+            if covered and g.graph is not None and not self._group_stale(g):
+                self._add_member(g, path, values)
+                t = time.perf_counter()
+                with self.internal():
+                    self._attach(site, g, path)
+                self.counters.graph_reuses += 1
+                self.event("graph_reuse", site, number, f"path p{path.id} runs the graph of "
+                           f"shape group g{g.id} ({g.dims()}): no build, "
+                           f"{time.perf_counter() - t:.3f} s")
+                return "reuse"
+            g.relaxed = relaxed
+            self._add_member(g, path, values)
+            self.build_group(site, g, number)
+            return "build"
+        for q in site.paths.values():
+            if q is path or q.group is not None or uncompilable(q.trace, q.units) or \
+                    reads_feed_values(q.units):
+                continue
+            relaxed = relax(Relaxed(q.trace, {}), path.trace)
+            if relaxed is None:
+                continue
+            vq, vp = member_values(relaxed, q.trace), member_values(relaxed, path.trace)
+            if vq is None or vp is None:
+                continue
+            t = time.perf_counter()
+            with self.internal():
+                own = q.graph if q.graph is not None and q.graph.path is q else None
+                unknown = own.unknown_shapes if own is not None else unknown_shapes(q.trace)
+            g = ShapeGroup(len(site.shape_groups), relaxed, Path(q.signature,
+                           relaxed.trace, q.units, id=-1), unknown)
+            site.shape_groups.append(g)
+            self._add_member(g, q, vq)
+            self._add_member(g, path, vp)
+            self.event("trace", site, number, f"paths p{q.id} and p{path.id} differ only in "
+                       f"shapes: shape group g{g.id} ({g.dims()}), shapes inferred in "
+                       f"{time.perf_counter() - t:.2f} s")
+            self.build_group(site, g, number)
+            return "build"
+        return None
+
+    @staticmethod
+    def _add_member(g, path, values) -> None:
+        path.group, path.group_values = g, values
+        if path not in g.members:
+            g.members.append(path)
+        for m in g.members:  # slots added since a member joined (the relaxed trace grew)
+            if m is not path:
+                m.group_values = member_values(g.relaxed, m.trace)
+
+    @staticmethod
+    def _group_stale(g) -> bool:
+        return g.graph is None or any(m.built_for != m.build_key() for m in g.members)
+
+    def _attach(self, site, g, m) -> None:
+        if m.view is None:
+            m.view = PathView(m.trace, m.usable_units(), site.key, site.caller_step_try)
+        if m.snapshot is None:
+            m.snapshot = Snapshot.of(written_variables(m.trace))
+        m.graph = g.graph
+        m.rebound = None
+        m.built_for = m.build_key()
+
+    def build_group(self, site, g, number) -> None:
+        """(Re)build the graph of shape group `g` from its relaxed trace, fetching what any
+        member reads, and put every member on it."""
+        t = time.perf_counter()
+        with self.internal():
+            gp = g.path
+            gp.trace = g.relaxed.trace
+            gp.__dict__.pop("static", None)
+            fetch_points, liveouts = {}, set()
+            for m in g.members:
+                if m.view is None:
+                    m.view = PathView(m.trace, m.usable_units(), site.key, site.caller_step_try)
+                for ref, after in skip_fetch_points(m).items():
+                    fetch_points[ref] = min(after, fetch_points.get(ref, after))
+                liveouts |= m.liveouts
+            # units every member skips whole: the graph may gate only those (a member that
+            # matches a unit's ops one by one never opens its gate); a fallback inside a unit
+            # leaves that unit out of its trace
+            units = [m.usable_units() for m in g.members]
+            gp.units = {s: u for s, u in units[0].items()
+                        if all((o.get(s) or u).end == u.end and s in o for o in units[1:])}
+            gp.view = PathView(gp.trace, gp.units, site.key, site.caller_step_try)
+            gp.fetch_points, gp.outside_reads, gp.liveouts = fetch_points, set(fetch_points), liveouts
+            graph = PathGraph(gp, unknown=g.unknown)
+            graph.path = gp
+            g.graph = gp.graph = graph
+            for m in g.members:
+                self._attach(site, g, m)
+        self.graphs.append(graph)
+        self.counters.graph_builds += 1
+        site.builds += 1
+        self.event("graph_build", site, number,
+                   f"graph for shape group g{g.id} (paths "
+                   f"{', '.join(f'p{m.id}' for m in g.members)}; {g.dims()}): "
+                   f"{len(gp.trace.records)} ops, {len(graph.feed_channels)} feeds, "
+                   f"{len(graph.fetch_channels)} fetches, {time.perf_counter() - t:.2f} s")
 
     def install(self, site, path, graph, key, number, seconds, where="") -> None:
         """`graph`, built for the path state `key`, becomes `path`'s."""

@@ -63,6 +63,9 @@ class Executable:
     def fetchable(self, ref) -> bool:
         raise NotImplementedError
 
+    def before_start(self) -> None:
+        """Called right before the run is queued: put what the runtime itself feeds."""
+
     def static_shape(self, ref):
         """The shape of `ref` that holds for every value of the feeds (TF's inference in the
         graph), which a placeholder may claim without a fetch; None: the recorded shape."""
@@ -128,6 +131,19 @@ class PathRun(Executable):
     def __init__(self, path):
         self.path = path
         self.graph = path.graph
+        # a shape group's member puts its own shape constants (shape_groups.py), once per run
+        self.constants = path.group_values if path.group is not None else None
+        self.constants_put = False
+
+    def _put_constants(self) -> None:
+        constants, self.constants = self.constants, None
+        self.constants_put = True
+        for slot, value in constants.items():
+            self.graph.feed_channels[slot].put(value)
+
+    def before_start(self) -> None:
+        if self.constants:
+            self._put_constants()
 
     @property
     def function(self):
@@ -143,11 +159,14 @@ class PathRun(Executable):
         return self.graph.liveouts
 
     def put_feed(self, slot, value) -> bool:
+        if self.constants:
+            self._put_constants()
         self.graph.feed_channels[slot].put(materialized(value))
         return True
 
     def queued(self, runner) -> bool:
-        return bool(runner.fed) or any(s in self.graph.gate_channels for s in runner.passed)
+        return self.constants_put or bool(runner.fed) or \
+            any(s in self.graph.gate_channels for s in runner.passed)
 
     def open_gate(self, start: int) -> bool:
         ch = self.graph.gate_channels.get(start)
@@ -165,6 +184,9 @@ class PathRun(Executable):
         return self.graph.fetch_channels.get(ref) is not None
 
     def static_shape(self, ref):
+        group = self.path.group
+        if group is not None:
+            return group.static_shape(self.path, ref)
         return self.graph.shapes.get(ref)
 
     def unknown_shapes(self) -> frozenset:

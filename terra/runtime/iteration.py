@@ -201,6 +201,7 @@ class Iteration(IterationEnd):
 
             def snapshot():
                 self.snap = snap.take()
+            self.exe.before_start()
             self.run = self.session.runner.start(self.exe.function, before=snapshot,
                                                  config=graph.run_config)
 
@@ -233,7 +234,10 @@ class Iteration(IterationEnd):
         s = self.session
         with s.internal():
             if self.mode == "skip":
-                v = self.path.static.get(ref)  # a shape the path fixes: no need to wait
+                # a shape the path fixes: no need to wait (unless this iteration's shapes differ
+                # from the path's there: PythonRunner.shape_from)
+                v = self.path.static.get(ref) if self.runner.shape_from is None or \
+                    ref.record < self.runner.shape_from else None
                 if v is not None:
                     self.runner.log_fetch(ref)
                     s.counters.static_reads += 1
@@ -295,7 +299,8 @@ class Iteration(IterationEnd):
         ph = runner.placeholders.get((ref.record, ref.index))
         if ph is not None and ph.is_materialized:
             return ph.numpy()
-        v = self.path.static.get(ref)
+        v = self.path.static.get(ref) if runner.shape_from is None or \
+            ref.record < runner.shape_from else None
         if v is not None:
             return np.asarray(v)
         if not self.exe.fetchable(ref) or ref in self.fetched:
@@ -329,6 +334,8 @@ class Iteration(IterationEnd):
         switch (`case_switches`). `accepts(q)`: whether path `q` can take what Python does at
         `pos` (paths that cannot are not tried: each restart costs a variable restore)."""
         runner, cur, pos = self.runner, self.path, self.runner.pos
+        if runner.shape_from is not None:  # its placeholders hold shapes no path was traced with
+            return False
         prefix = cur.switch_signature()[:pos]
         fed_specs = [cur.trace.feeds[sl].spec for sl in sorted(runner.fed)]
         tried = set() if tried is None else tried

@@ -37,13 +37,12 @@ def skip_fetch_points(path) -> dict:
             not any(a <= after <= b for a, b in spans)}
 
 
-def _unit_shape_checks(path, lowered) -> dict:
+def _unit_shape_checks(path, unknown) -> dict:
     """`{start: end}` of the path's coarse units whose Python may have read a shape the graph
     does not know before it runs (`PathView.shapes_read_by`): skip mode checks those shapes
     before it skips the unit (`PythonRunner._changed_shape`), so the unit's ops wait for that
     check (a gate), and the path fetches every value the check reads (learning them one
     fallback at a time would cost one fallback per value)."""
-    unknown = {r for r, s in lowered.shapes.items() if not s.is_fully_defined()}
     if not unknown or path.view is None:
         return {}
     gates = {}
@@ -64,10 +63,15 @@ class PathGraph:
 
     run_config = None  # each run keeps the configured ConfigProto (see SiteGraph.run_config)
 
-    def __init__(self, path: "Path"):
+    def __init__(self, path: "Path", unknown=None):
+        """`unknown`: the outputs whose shapes the graph cannot know before it runs, where that
+        is not what this graph's inference says (a shape group's relaxed trace, whose relaxed
+        dimensions each member knows: shape_groups.py)."""
         self.path = path
         lowered = LoweredPath(path.trace, skip_fetch_points(path), path.liveouts, CONFIG.xla)
-        gates = _unit_shape_checks(path, lowered)
+        if unknown is None:
+            unknown = frozenset(r for r, s in lowered.shapes.items() if not s.is_fully_defined())
+        gates = _unit_shape_checks(path, unknown)
         if gates:
             lowered = LoweredPath(path.trace, skip_fetch_points(path), path.liveouts, CONFIG.xla,
                                   gates)
@@ -77,8 +81,7 @@ class PathGraph:
         self.shapes = lowered.shapes
         # outputs whose shape the graph cannot know before it runs (a data-dependent op's, a
         # shape computed from a value): a unit whose Python read them checks them (units)
-        self.unknown_shapes = frozenset(r for r, s in lowered.shapes.items()
-                                        if not s.is_fully_defined())
+        self.unknown_shapes = frozenset(unknown)
         self.fetch_at = lowered.fetch_at
         self.liveouts = lowered.liveouts
         self.concrete = lowered.concrete

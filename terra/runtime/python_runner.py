@@ -24,7 +24,8 @@ import tensorflow as tf
 
 from terra import _tf_private as tfp
 from terra.ir.op_kinds import HOST_OPS
-from terra.ir.records import ConstRef, FeedRef, Fetch, OutputRef, VariableRef
+from terra.compiler.shapes import output_shapes
+from terra.ir.records import ConstRef, FeedRef, Fetch, OutputRef, TensorSpec, VariableRef
 from terra.runtime.divergence import PAST_END, Diverged, Divergence, user_line
 from terra.runtime.path_view import PathView
 from terra.runtime.placeholders import Placeholder
@@ -138,6 +139,9 @@ class PythonRunner(hook.Interceptor):
         self._frozen_cache: dict = {}
         self.handles: dict = {}        # id(handle) -> (handle, variable) seen this iteration
         self.advance = None            # called with `pos` after each match (SiteRun.advance)
+        # from this record on, shapes are this iteration's, not the path's (`_takes_new_shape`)
+        self.shape_from: Optional[int] = None
+        self.new_shapes: dict = {}     # feed slot -> shape, record index -> output shapes
 
     # ------------------------------------------------------------------ hook callbacks
     def variable_handle(self, variable, handle) -> None:
@@ -248,6 +252,8 @@ class PythonRunner(hook.Interceptor):
             # the same op, recorded otherwise (a `stop_recording()` taken this time only): its
             # gradient differs
             self._diverge("recorded otherwise", _tape_word(rec.taped), _tape_word(not rec.taped))
+        if self.shape_from is not None and p >= self.shape_from:
+            self._infer_shapes(rec)
         self.pos = p + 1
         if self.advance is not None:
             self.advance(p + 1)
@@ -394,9 +400,53 @@ class PythonRunner(hook.Interceptor):
             if dtype is None:
                 dtype = _np_dtype_name(a.dtype, spec.dtype)
             shape = tuple(a.shape)
-        if dtype != spec.dtype or shape != spec.shape:
+        if (dtype != spec.dtype or shape != spec.shape) and \
+                not self._takes_new_shape(slot, dtype, shape):
             self._diverge("feed with a new signature", spec, f"{dtype}{list(shape)}")
         self.record_feed(slot, obj, value)
+
+    def _takes_new_shape(self, slot, dtype, shape) -> bool:
+        """Whether a feed of a shape the path was not traced with can still be put: the path
+        runs a shape group's graph (shape_groups.py), which takes any shape the group relaxes
+        to, and only plain ops follow, whose output shapes TF's inference gives from this
+        iteration's shapes (no coarse unit, whose Python built its ops from the traced shapes,
+        and no shape constant the member puts as traced). The typical case: the next batch,
+        of another length, sliced after the tape's block and before the next step's."""
+        path = self.iteration.path
+        group = path.group
+        if group is None or self.view is not path.view:
+            return False
+        want = group.relaxed.trace.feeds[slot].spec
+        if want.dtype != dtype or want.shape is None or len(want.shape) != len(shape) or \
+                any(a is not None and a != b for a, b in zip(want.shape, shape)):
+            return False
+        pos = self.pos
+        if any(u.end > pos for u in self.view.units.values()) or \
+                any(r >= pos for r, _ in group.relaxed.const_sites.values()):
+            return False
+        if self.shape_from is None:
+            self.shape_from = pos
+        self.new_shapes[("feed", slot)] = tuple(shape)
+        return True
+
+    def _infer_shapes(self, rec) -> None:
+        """This iteration's output shapes of record `rec` (past `shape_from`), by TF's
+        inference on its inputs' shapes now; diverges where it cannot fix them."""
+        def spec_of(ref):
+            if isinstance(ref, FeedRef):
+                shape = self.new_shapes.get(("feed", ref.slot), self.view.feed_specs[ref.slot].shape)
+                return TensorSpec(self.view.feed_specs[ref.slot].dtype, shape)
+            mine = self.new_shapes.get(ref.record)
+            spec = self.view.records[ref.record].outputs[ref.index]
+            if mine is not None:
+                return TensorSpec(spec.dtype, mine[ref.index])
+            shape = self.iteration.exe.static_shape(ref)
+            return TensorSpec(spec.dtype, None if shape is None or shape.rank is None
+                              else tuple(shape.as_list()))
+        outs = output_shapes(rec, spec_of)
+        if outs is None or any(s is None for s in outs):
+            self._diverge("op of a new shape TF cannot infer", rec.op_type, "another shape")
+        self.new_shapes[rec.index] = outs
 
     def record_feed(self, slot, obj, value) -> None:
         """Feed slot `slot` with `value` (Python supplied `obj`): remembered, and put."""
@@ -418,7 +468,8 @@ class PythonRunner(hook.Interceptor):
         if ph is None:
             spec = rec.outputs[j]
             ref = OutputRef(rec.index, j)
-            shape = self.iteration.exe.static_shape(ref)
+            mine = self.new_shapes.get(rec.index)
+            shape = self.iteration.exe.static_shape(ref) if mine is None else mine[j]
             ph = SkipPlaceholder.create(spec.dtype, spec.shape if shape is None else shape,
                                         _Resolver(self.iteration, ref))
             d = ph.__dict__

@@ -406,6 +406,12 @@ class Session:
             site.known_fallbacks += 1
             detail += "; a known path after compiled iterations: not held against max_fallbacks"
         self._event("trace", site, it.number, detail, "")
+        if new and why is None and CONFIG.shape_groups and not CONFIG.site_graph and \
+                self.builds.join_group(site, path, it.number) == "reuse" and \
+                it.fallback_gap is not None:
+            # a new shape on a group's graph costs this trace and no build: bounded per shape
+            # (a site whose shapes never repeat gives up through the churn rule below)
+            site.known_fallbacks += 1
         compiled_before = any(p.graph is not None for p in site.paths.values())
         if why is None and (path.count >= 2 or compiled_before) and path.stale:
             self.builds.build(site, path, it.number)
@@ -433,18 +439,25 @@ class Session:
                            + (f" (last: {why})" if why else ""))
         hits = sum(p.hits for p in site.paths.values())
         unused_once = sum(1 for p in site.paths.values()
-                          if p.graph is not None and p.count == 1 and not p.hits)
+                          if p.graph is not None and p.count == 1 and not p.hits and p.group is None)
+        # a shape group's member costs a trace, not a build: a few more lengths may come before
+        # the first repeats (lengths drawn from a range), but never-repeating ones give up too
+        unused_members = sum(1 for p in site.paths.values()
+                             if p.group is not None and p.count == 1 and not p.hits)
         if site.eager_reason is None and (
                 site.builds >= _BUILDS_PER_TRACE_LIMIT * CONFIG.max_traces or
-                unused_once >= _CHURN_BUILDS and not hits):
+                unused_once >= _CHURN_BUILDS and not hits or
+                unused_members >= CONFIG.max_traces and not hits):
             # its paths keep changing (an episode of another length every step): each new path
             # costs a build and a fallback, more than running the site eagerly. Graphs built for
             # paths seen once (after the site compiled) when no graph of the site ever served an
             # iteration say so early; paths seen twice (a few branches or lengths in turn) do
             # not count, nor does a site whose graphs run at times (a random branch among many:
             # each path is built once and served from then on)
-            self._go_eager(site, it.number, f"{site.builds} graph builds served no compiled "
-                           f"iteration: its paths keep changing")
+            churn = f"{site.builds} graph builds" if unused_once >= _CHURN_BUILDS else \
+                f"{unused_members} shapes traced once each on a shape group's graph"
+            self._go_eager(site, it.number, f"{churn} served no compiled iteration: its "
+                           f"paths keep changing")
         if site.fallbacks - site.known_fallbacks >= CONFIG.max_fallbacks and \
                 site.eager_reason is None:
             self._go_eager(site, it.number, f"{site.fallbacks - site.known_fallbacks} fallbacks")

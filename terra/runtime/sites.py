@@ -229,6 +229,8 @@ class Path:
     id: int = 0
     verified: set = field(default_factory=set)   # units whose feeds were seen identical twice
     rebound: object = None   # the call of a shared graph over this path's variables (bind)
+    group: object = None     # the ShapeGroup whose graph it runs (shape_groups.py)
+    group_values: dict = field(default_factory=dict)  # its shape constants: slot -> value
 
     @functools.cached_property
     def static(self) -> StaticValues:
@@ -250,6 +252,8 @@ class Path:
         if cached is not None and cached[0] is graph:
             return cached[1]
         shapes = graph.shapes if graph is not None else {}
+        if self.group is not None:  # a member knows every relaxed shape: its own
+            shapes = {r: shapes[r] for r in self.group.unknown if r in shapes}
         sig = []
         for i, s in enumerate(self.signature[0]):
             outs = tuple(_relaxed(o, shapes.get(OutputRef(i, j))) for j, o in enumerate(s[-1]))
@@ -349,6 +353,7 @@ class Site:
     phase: str = "tracing"
     seen_objects: dict = field(default_factory=dict)
     site_graph: SiteGraph | None = None   # one graph for all compiled paths (>= 2 of them)
+    shape_groups: list = field(default_factory=list)  # paths that share a graph (shape_groups.py)
     site_graph_failed: tuple | None = None  # SiteGraph.key_of the paths whose lowering failed
     caller_step_try: bool = False   # called inside a per-step try of the program (PathView)
     # whether each of the latest compiled iterations had to leave the path it started on

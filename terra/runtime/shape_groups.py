@@ -1,0 +1,180 @@
+"""Shape groups: one graph for the paths of a site that differ only in shapes.
+
+A program whose batch size or sequence length changes issues the same ops on every step, with
+other shapes and with other small constants made from those shapes (a reshape's target, a causal
+mask's size, a mean's count). Each such trace stays a path of its own for skip mode (its
+placeholders report its exact shapes and its units were built for them), but the paths share
+one graph: `relax` lowers their common trace, with every dimension that differs made unknown
+(as `tf.function`'s `reduce_retracing` relaxes a signature) and every constant that differs made
+a feed. A path that joins a group whose relaxed trace already covers it costs a trace and no
+build: the graph is built and instantiated once for every length.
+
+A member's constants are put by the runtime (`PathRun`), not by Python: skip mode checks them as
+constants against the member's own records, so the graph gets exactly the value Python used.
+
+Which outputs have a shape the graph cannot know before it runs (a `tf.where`'s length, not a
+sequence length) is structural: the members share ops, constant positions and feed ranks, so TF's
+inference on one member's exact trace says it for all (`compiler.shapes.unknown_shapes`).
+Everywhere else a member's recorded shape is the one every iteration on it sees.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import tensorflow as tf
+
+from terra.ir.records import ConstRef, Feed, FeedRef, OutputRef, TensorSpec, Trace, replace
+
+__all__ = ["ShapeGroup", "Relaxed", "relax", "member_values"]
+
+SHAPE_CONSTANT = "shape-constant"   # Feed.source of a constant that differs between members
+
+
+@dataclass(frozen=True)
+class Relaxed:
+    """A relaxed trace and where its shape constants sit: `const_sites[slot]` is the (record,
+    flat input position) whose constant each member puts into feed `slot`."""
+    trace: Trace
+    const_sites: dict
+
+
+def _relax_spec(a: TensorSpec, b: TensorSpec):
+    if a.dtype != b.dtype:
+        return None
+    if a.shape is None or b.shape is None:
+        return TensorSpec(a.dtype, None) if a.shape == b.shape else None
+    if len(a.shape) != len(b.shape):
+        return None
+    return TensorSpec(a.dtype, tuple(x if x == y else None for x, y in zip(a.shape, b.shape)))
+
+
+def relax(base: Relaxed, new: Trace) -> Relaxed | None:
+    """`base` relaxed to cover `new` too, or None if `new` differs in more than shapes and
+    shape constants (another op, attr, producer, variable, feed slot, dtype or rank), or if it
+    differs in no shape at all (a changing Python value: `sites.generalize`'s case)."""
+    bt = base.trace
+    if len(bt.records) != len(new.records) or len(new.feeds) != sum(
+            1 for f in bt.feeds if f.source != SHAPE_CONSTANT):
+        return None
+    feeds = list(bt.feeds)
+    values = list(bt.feed_values)
+    const_sites = dict(base.const_sites)
+    shaped = False
+    for i, nf in enumerate(new.feeds):
+        spec = _relax_spec(feeds[i].spec, nf.spec)
+        if spec is None:
+            return None
+        shaped |= spec != feeds[i].spec or nf.spec != feeds[i].spec
+        feeds[i] = Feed(i, spec, feeds[i].source)
+    records = []
+    for rb, rn in zip(bt.records, new.records):
+        if (rb.op_type, rb.attrs, rb.route == "function", rb.function, rb.recorded) != \
+                (rn.op_type, rn.attrs, rn.route == "function", rn.function, rn.recorded) or \
+                len(rb.outputs) != len(rn.outputs) or len(rb.inputs) != len(rn.inputs):
+            return None
+        outs = []
+        for a, b in zip(rb.outputs, rn.outputs):
+            s = _relax_spec(a, b)
+            if s is None:
+                return None
+            shaped |= a != b
+            outs.append(s)
+        pos = 0
+        inputs = []
+        for ab, an in zip(rb.inputs, rn.inputs):
+            if isinstance(ab, tuple) != isinstance(an, tuple) or \
+                    isinstance(ab, tuple) and len(ab) != len(an):
+                return None
+            merged = []
+            for x, y in (zip(ab, an) if isinstance(ab, tuple) else ((ab, an),)):
+                m = _merge_ref(x, y, rb.index, pos, feeds, values, const_sites)
+                if m is None:
+                    return None
+                merged.append(m)
+                pos += 1
+            inputs.append(tuple(merged) if isinstance(ab, tuple) else merged[0])
+        records.append(replace(rb, inputs=tuple(inputs), outputs=tuple(outs)))
+    if not shaped:
+        return None
+    trace = Trace(bt.site, records, feeds, values, list(bt.fetches), dict(bt.variables),
+                  list(bt.unsupported), dict(bt.functions), list(bt.unseeded_random),
+                  list(bt.fast_fallbacks))
+    return Relaxed(trace, const_sites)
+
+
+def _merge_ref(b, n, record, pos, feeds, values, const_sites):
+    if b == n:
+        return b
+    if isinstance(b, FeedRef) and b.slot in const_sites:   # a shape constant already
+        spec = feeds[b.slot].spec
+        if isinstance(n, ConstRef) and n.dtype == spec.dtype and \
+                tuple(np.shape(n.value)) == spec.shape:
+            return b
+        return None
+    if isinstance(b, ConstRef) and isinstance(n, ConstRef) and b.dtype == n.dtype and \
+            b.dtype != "string" and np.shape(b.value) == np.shape(n.value):
+        slot = len(feeds)
+        feeds.append(Feed(slot, TensorSpec(b.dtype, tuple(np.shape(b.value))), SHAPE_CONSTANT))
+        values.append(constant_value(b))
+        const_sites[slot] = (record, pos)
+        return FeedRef(slot)
+    return None
+
+
+def constant_value(ref: ConstRef):
+    return np.array(ref.value, dtype=tf.as_dtype(ref.dtype).as_numpy_dtype)
+
+
+def member_values(relaxed: Relaxed, trace: Trace) -> dict | None:
+    """`{slot: value}` of the shape constants a member with exact trace `trace` puts; None if a
+    site does not hold a constant of the slot's spec there."""
+    out = {}
+    for slot, (record, pos) in relaxed.const_sites.items():
+        ref = trace.records[record].input_refs()[pos]
+        spec = relaxed.trace.feeds[slot].spec
+        if not isinstance(ref, ConstRef) or ref.dtype != spec.dtype or \
+                tuple(np.shape(ref.value)) != spec.shape:
+            return None
+        out[slot] = constant_value(ref)
+    return out
+
+
+@dataclass(eq=False)
+class ShapeGroup:
+    """Paths of one site that share one graph (see the module docstring). `path` is the
+    group's own Path over the relaxed trace (what the graph is built from); `unknown` the
+    outputs whose shapes the graph cannot know before it runs (the same for every member)."""
+    id: int
+    relaxed: Relaxed
+    path: object
+    unknown: frozenset
+    members: list = field(default_factory=list)
+    graph: object = None
+    claims: dict = field(default_factory=dict)   # id(member) -> {ref: its claimed shape}
+
+    def dims(self) -> str:
+        """The relaxed feed dimensions, for explain()."""
+        out = []
+        for f in self.relaxed.trace.feeds:
+            if f.source != SHAPE_CONSTANT and f.spec.shape is not None and None in f.spec.shape:
+                out.append(f"feed{f.slot} {f.spec!r}")
+        consts = len(self.relaxed.const_sites)
+        if consts:
+            out.append(f"{consts} shape constants fed")
+        return ", ".join(out)
+
+    def static_shape(self, member, ref: OutputRef):
+        """The shape a member's placeholder claims: its recorded shape, or for an output whose
+        shape no member's graph knows before it runs, the graph's."""
+        claims = self.claims.get(id(member))
+        if claims is None or claims[0] is not self.graph:
+            claims = self.claims[id(member)] = (self.graph, {})
+        shape = claims[1].get(ref)
+        if shape is None:
+            if ref in self.unknown:
+                shape = self.graph.shapes.get(ref) if self.graph is not None else None
+            else:
+                shape = tf.TensorShape(member.trace.records[ref.record].outputs[ref.index].shape)
+            claims[1][ref] = shape
+        return shape

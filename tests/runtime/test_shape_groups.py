@@ -1,0 +1,225 @@
+"""Shape groups: paths that differ only in shapes share one graph (terra/runtime/shape_groups.py).
+
+A sequence length or batch size that changes gives the same ops with other shapes and other
+constants made from them (a reshape's target, a causal mask's size, a mean's count). The second
+such path builds one graph with those dimensions unknown and those constants fed; every later
+length costs one trace and no build. Every program is bit-identical to eager."""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import terra  # noqa: E402
+from terra.ir.records import ConstRef, Feed, FeedRef, OpRecord, OutputRef, TensorSpec, Trace  # noqa: E402
+from terra.runtime.session import SESSION  # noqa: E402
+from terra.runtime.shape_groups import SHAPE_CONSTANT, Relaxed, member_values, relax  # noqa: E402
+from tests.counting import CompileCounter  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fresh_terra")
+
+
+class _Block(keras.layers.Layer):
+    def __init__(self, d, **kw):
+        super().__init__(**kw)
+        self.attn = keras.layers.MultiHeadAttention(2, d // 2)
+        self.ln = keras.layers.LayerNormalization()
+        self.ff = keras.layers.Dense(d)
+
+    def call(self, x):
+        x = self.ln(x + self.attn(x, x, use_causal_mask=True))
+        return x + self.ff(x)
+
+
+def _lm(Tape, lengths, vocab=17, d=8, batch=2):
+    """A small causal language model trained on batches of the given sequence lengths."""
+    keras.utils.set_random_seed(0)
+    tok = keras.layers.Embedding(vocab, d)
+    pos = keras.layers.Embedding(16, d)
+    block = _Block(d)
+    params = None
+    opt = keras.optimizers.Adam(0.01)
+    rng = np.random.default_rng(0)
+    data = {n: tf.constant(rng.integers(0, vocab, (batch, n + 1)), tf.int32) for n in set(lengths)}
+    losses = []
+    for n in lengths:
+        tokens = data[n]
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        with Tape() as tape:
+            h = tok(inputs) + pos(tf.range(tf.shape(inputs)[1]))[None]
+            h = block(h)
+            logits = tf.matmul(h, tok.embeddings, transpose_b=True)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(targets, logits))
+        params = params or tok.trainable_variables + pos.trainable_variables + \
+            block.trainable_variables
+        opt.apply_gradients(zip(tape.gradient(loss, params), params))
+        losses.append(float(loss))
+    terra.end_iteration()  # the loop is over: reading the variables below is not a step
+    return losses, [v.numpy() for v in params + opt.variables]
+
+
+def _assert_same(got, eager):
+    assert got[0] == eager[0]
+    assert len(got[1]) == len(eager[1])
+    for a, b in zip(got[1], eager[1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def _groups():
+    sites = list(SESSION.sites.values())
+    return [g for s in sites for g in s.shape_groups]
+
+
+def test_sequence_lengths_in_turn_share_one_graph():
+    lengths = [8, 6, 4] * 6
+    eager = _lm(tf.GradientTape, lengths)
+    with CompileCounter() as c:
+        got = _lm(tf.TerraGradientTape, lengths)
+    _assert_same(got, eager)
+    # step 1 builds the optimizer (its own path); lengths 6 and 4 form the group (one build);
+    # length 8 seen again joins it (a trace, no build); every later step runs the graph
+    c.assert_counts(traces=4, graph_builds=1, graph_reuses=1, fallbacks=1)
+    (g,) = _groups()
+    assert len(g.members) == 3
+    assert g.relaxed.trace.feeds[0].spec.shape == (2, None)
+
+
+def test_lengths_drawn_from_a_range_cost_a_trace_each_and_one_build():
+    rng = np.random.default_rng(1)
+    lengths = [5, 6, 7] + [int(n) for n in rng.integers(3, 9, 27)]
+    eager = _lm(tf.GradientTape, lengths)
+    with CompileCounter() as c:
+        got = _lm(tf.TerraGradientTape, lengths)
+    _assert_same(got, eager)
+    distinct = len(set(lengths[1:]))
+    assert distinct == 6
+    # the first step (it builds the optimizer) and one trace per length after it; lengths 6
+    # and 7 form the group, every other length joins it after a fallback and runs it
+    c.assert_counts(traces=1 + distinct, graph_builds=1, graph_reuses=distinct - 2,
+                    fallbacks=distinct - 2)
+    (g,) = _groups()
+    assert sorted(m.trace.feeds[0].spec.shape[1] for m in g.members) == sorted(set(lengths[1:]))
+
+
+def _classifier(Tape, batches, epochs=3):
+    """An epoch loop whose last batch is smaller."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(7, activation="relu"),
+                              keras.layers.Dense(3)])
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    opt = keras.optimizers.SGD(0.1)
+    rng = np.random.default_rng(0)
+    data = [(tf.constant(rng.normal(size=(b, 5)), tf.float32),
+             tf.constant(rng.integers(0, 3, b), tf.int32)) for b in batches]
+    model(data[0][0])
+    opt.build(model.trainable_variables)
+    losses = []
+    for _ in range(epochs):
+        for x, y in data:
+            with Tape() as tape:
+                loss = loss_fn(y, model(x))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            losses.append(float(loss))
+    terra.end_iteration()
+    return losses, [v.numpy() for v in model.variables]
+
+
+def test_a_last_batch_of_another_size_every_epoch_runs_on_the_same_graph():
+    batches = [4, 4, 4, 2]
+    eager = _classifier(tf.GradientTape, batches)
+    with CompileCounter() as c:
+        got = _classifier(tf.TerraGradientTape, batches)
+    _assert_same(got, eager)
+    # batch 4 traced twice (then built), batch 2 traced once, joining the group: one rebuild
+    # for the group graph, then every epoch runs it
+    c.assert_counts(traces=3, graph_builds=2, graph_reuses=0)
+    (g,) = _groups()
+    assert g.relaxed.trace.feeds[0].spec.shape == (None, 5)
+
+
+def test_without_shape_groups_every_length_builds_its_own_graph():
+    lengths = [8, 6, 4] * 4
+    eager = _lm(tf.GradientTape, lengths)
+    old = terra.config(shape_groups=False)
+    try:
+        with CompileCounter() as c:
+            got = _lm(tf.TerraGradientTape, lengths)
+    finally:
+        terra.config(**old)
+    _assert_same(got, eager)
+    assert c.graph_builds == 3 and c.graph_reuses == 0
+    assert _groups() == []
+
+
+def test_a_data_dependent_length_inside_a_group_is_still_read_from_the_graph():
+    """`tf.boolean_mask` keeps a number of rows the graph cannot know before it runs, also on
+    a group's graph: Python's read of it waits for the value."""
+    def run(Tape, sizes):
+        v = tf.Variable(tf.ones((3,)))
+        opt = keras.optimizers.SGD(0.1)
+        rng = np.random.default_rng(0)
+        data = {n: tf.constant(rng.normal(size=(n, 3)), tf.float32) for n in sorted(set(sizes))}
+        out = []
+        for n in sizes:
+            x = data[n]
+            with Tape() as tape:
+                kept = tf.boolean_mask(x, x[:, 0] > 0)
+                loss = tf.reduce_sum(kept * v) + tf.reduce_sum(x * v)
+            opt.apply_gradients(zip(tape.gradient(loss, [v]), [v]))
+            out.append((float(loss), int(kept.shape[0])))
+        terra.end_iteration()
+        return out, [v.numpy()]
+    sizes = [6, 5, 4] * 5
+    eager = run(tf.GradientTape, sizes)
+    with CompileCounter() as c:
+        got = run(tf.TerraGradientTape, sizes)
+    _assert_same(got, eager)
+    # sizes 6 and 5 form the group; size 4 joins it; the first compiled read of the count
+    # falls back once and the group's graph is rebuilt to fetch it
+    c.assert_counts(traces=4, graph_builds=2, graph_reuses=1, fallbacks=2)
+    (g,) = _groups()
+    records = g.relaxed.trace.records
+    assert any(records[r.record].op_type == "Where" for r in g.unknown)
+    # the size alone is not unknown to a member: the input's own shape is not in `unknown`
+    assert not any(r.record == 0 for r in g.unknown)
+    assert g.graph.gate_channels  # the gradient is gated on Python's check of that count
+
+
+# ------------------------------------------------------------------------------------ relax
+def _rec(i, op, inputs, out_shape):
+    return OpRecord(i, op, (("T", "float32"),), inputs, (TensorSpec("float32", out_shape),), None)
+
+
+def _trace(n, const):
+    recs = [_rec(0, "Reshape", (FeedRef(0), ConstRef((2, n), "int32")), (2, n)),
+            _rec(1, "Relu", (OutputRef(0, 0),), (2, n))]
+    return Trace("t", recs, [Feed(0, TensorSpec("float32", (2 * n,)), "eager-tensor")], [None])
+
+
+def test_relax_unknowns_the_dimensions_and_feeds_the_constants_that_differ():
+    a, b = _trace(3, None), _trace(5, None)
+    r = relax(Relaxed(a, {}), b)
+    assert r.trace.feeds[0].spec.shape == (None,)
+    assert r.trace.feeds[1].source == SHAPE_CONSTANT and r.const_sites == {1: (0, 1)}
+    assert r.trace.records[0].inputs[1] == FeedRef(1)
+    assert r.trace.records[1].outputs[0].shape == (2, None)
+    assert member_values(r, a)[1].tolist() == [2, 3]
+    # a third length is covered: same relaxed records
+    r3 = relax(r, _trace(7, None))
+    assert r3.trace.records == r.trace.records
+    assert member_values(r3, _trace(7, None))[1].tolist() == [2, 7]
+
+
+def test_relax_refuses_traces_that_differ_in_more_than_shapes():
+    a = _trace(3, None)
+    assert relax(Relaxed(a, {}), a) is None          # no shape differs: not a shape variant
+    other = _trace(5, None)
+    other.records[1] = _rec(1, "Sigmoid", (OutputRef(0, 0),), (2, 5))
+    assert relax(Relaxed(a, {}), other) is None       # another op
+    rank = _trace(5, None)
+    rank.records[1] = _rec(1, "Relu", (OutputRef(0, 0),), (2, 5, 1))
+    assert relax(Relaxed(a, {}), rank) is None        # another rank
