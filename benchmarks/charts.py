@@ -108,6 +108,47 @@ def traces(results, path):
     plt.close(fig)
 
 
+TIMELINE_PROGRAMS = ("sdpoint", "gpt2", "fasterrcnn_like")
+TIMELINE_MODES = ("eager", "function", "terra")
+
+
+def timeline(results, path):
+    """Step time against step number (warm-up included) for the dynamic programs, with the
+    steps in which Terra traced, built a graph or fell back marked."""
+    progs = [p for p in TIMELINE_PROGRAMS if p in results["programs"]]
+    title = "Step time per step: where the time goes (traces, builds, fallbacks marked)"
+    if not progs:
+        return _placeholder(path, title, "none of " + ", ".join(TIMELINE_PROGRAMS) + " was run")
+    fig, axes = plt.subplots(len(progs), 1, figsize=(9, 2.8 * len(progs)), squeeze=False)
+    for ax, p in zip(axes[:, 0], progs):
+        ms = results["programs"][p]["modes"]
+        for color, m in zip(("C0", "C1", "C2"), TIMELINE_MODES):
+            r = ms.get(m)
+            if not r or not (r.get("warmup_s") or r.get("step_s")):
+                continue
+            pts = report.step_timeline(r)
+            ax.plot([i for i, _ in pts], [t * 1e3 for _, t in pts], lw=1, color=color, label=_label(m)
+                    + ("" if r["status"] == "ok" else f" ({report.STATUS_TEXT[r['status']]})"))
+            if m == "terra":
+                at = dict(pts)
+                events = (r.get("terra_stats") or {}).get("events") or []
+                for k, (marker, name, style) in enumerate((
+                        ("x", "trace", {"color": "C3"}), ("^", "graph build", {"color": "C4"}),
+                        ("o", "fallback", {"facecolors": "none", "edgecolors": "k"}))):
+                    xs = [e[0] for e in events if e[k + 1] and e[0] in at]
+                    ax.scatter(xs, [at[i] * 1e3 for i in xs], marker=marker, s=30, zorder=3,
+                               label=name, **style)
+        ax.set_yscale("log")
+        ax.set_ylabel("ms")
+        ax.set_title(p, fontsize=10)
+        ax.legend(fontsize=7, ncol=3)
+    axes[-1, 0].set_xlabel("step (warm-up included)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
 def breakdown(results, path):
     rs = {p: results["programs"][p]["modes"].get("terra") for p in results["programs"]}
     progs = [p for p, r in rs.items() if report.terra_per_step(r, "graph_exec_s") is not None]
@@ -148,7 +189,8 @@ def lazy(results, path):
 
 
 CHARTS = (("fig3_10_speedup.png", speedup), ("table3_1_coverage.png", coverage),
-          ("table3_3_traces.png", traces), ("fig3_11_breakdown.png", breakdown), ("table3_2_lazy.png", lazy))
+          ("table3_3_traces.png", traces), ("fig3_11_breakdown.png", breakdown), ("table3_2_lazy.png", lazy),
+          ("step_timeline.png", timeline))
 
 
 def write_charts(results, out_dir):

@@ -47,6 +47,8 @@ class _Run:
         self.losses = {}
         self.stats_warmup, self.stats_timed = {}, {}
         self.has_stats = False
+        self.events = []     # [step, traces, graph builds, fallbacks] of each step that had any
+        self.last = None     # (step, timed) of the latest step run
         self.variables = None
 
     def fail(self, status, reason):
@@ -61,6 +63,22 @@ def _add(acc, before, after):
     return True
 
 
+_EVENT_KEYS = ("traces", "graph_builds", "fallbacks")
+
+
+def _count(run, i, timed, before, after):
+    """Attribute the counters' growth to step `i` (its phase's totals and its events)."""
+    run.has_stats |= _add(run.stats_timed if timed else run.stats_warmup, before, after)
+    if before is None or after is None:
+        return
+    d = [int(round(after.get(k, 0) - before.get(k, 0))) for k in _EVENT_KEYS]
+    if any(d):
+        if run.events and run.events[-1][0] == i:
+            run.events[-1] = [i] + [a + b for a, b in zip(run.events[-1][1:], d)]
+        else:
+            run.events.append([i] + d)
+
+
 def _one_step(run, i, timed):
     mode = run.mode
     before = modes_mod.read_stats(mode)
@@ -71,10 +89,19 @@ def _one_step(run, i, timed):
         run.fail("failed", f"step {i}: {check.first_line(e)}")
         return
     dt = time.perf_counter() - t0
-    after = modes_mod.read_stats(mode)
-    run.has_stats |= _add(run.stats_timed if timed else run.stats_warmup, before, after)
+    _count(run, i, timed, before, modes_mod.read_stats(mode))
     (run.step_s if timed else run.warmup_s).append(dt)
     run.losses[i] = float(loss)
+    run.last = (i, timed)
+
+
+def _leave(run):
+    """End the mode's block of steps (`modes.leave`). A Terra iteration is filed when it ends,
+    so what ending it counts (the trace of the block's last step) belongs to that step."""
+    before = modes_mod.read_stats(run.mode)
+    modes_mod.leave(run.mode)
+    if run.last is not None:
+        _count(run, *run.last, before, modes_mod.read_stats(run.mode))
 
 
 def run_program(build, mode_names, schedule=Schedule(), seed=0, size="bench", log=lambda s: None):
@@ -101,7 +128,7 @@ def run_program(build, mode_names, schedule=Schedule(), seed=0, size="bench", lo
             for j in range(schedule.steps):
                 if run.program is not None:
                     _one_step(run, schedule.warmup + k * schedule.steps + j, timed=True)
-            modes_mod.leave(run.mode)
+            _leave(run)
     for run in runs:
         if run.program is not None:
             run.variables = [(getattr(v, "path", v.name), v.numpy()) for v in run.program.variables()]
@@ -145,7 +172,7 @@ def _checked_warmup(runs, warmup, log):
                     break
                 _load(run.program, snapshots[i])
             _one_step(run, i, timed=False)
-            modes_mod.leave(m)
+            _leave(run)
             if run.program is None:
                 break
             if ref.status != "ok" or i not in ref.losses:
@@ -186,6 +213,7 @@ def _result(run):
         "losses": [[i, run.losses[i]] for i in sorted(run.losses)],
         "max_rel_loss_diff": getattr(run, "max_rel_loss_diff", None),
         "var_rel_diff": getattr(run, "var_rel_diff", None),
-        "terra_stats": ({"warmup": run.stats_warmup, "timed": run.stats_timed, "timed_steps": len(run.step_s)}
+        "terra_stats": ({"warmup": run.stats_warmup, "timed": run.stats_timed, "timed_steps": len(run.step_s),
+                         "events": run.events}
                         if run.has_stats else None),
     }

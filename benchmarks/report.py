@@ -52,6 +52,18 @@ def mode_names(results):
     return sorted(seen, key=lambda m: list(modes_mod.MODES).index(m) if m in modes_mod.MODES else 99)
 
 
+# The Terra paper's Table 3.3 (collected traces, fallbacks) for the programs ours stand in for.
+PAPER_TABLE_3_3 = {"resnet50": (2, 0), "bert_qa": (2, 0), "yolov3_like": (2, 0), "dcgan": (2, 0),
+                   "gpt2": (2, 0), "bert_cls": (2, 0), "dropblock": (3, 0), "sdpoint": (4, 1),
+                   "fasterrcnn_like": (2, 0), "music_transformer": (2, 0)}
+
+
+def step_timeline(result):
+    """[(step, seconds)] of every step a mode ran, warm-up included, in step order."""
+    w, s = result.get("warmup_s") or [], result.get("step_s") or []
+    return list(enumerate(list(w) + list(s)))
+
+
 def terra_per_step(result, key):
     st = (result or {}).get("terra_stats")
     if not st or not st.get("timed_steps") or key not in st["timed"]:
@@ -163,9 +175,13 @@ def terra_sections(results, summ, progs):
         if r is None or r["status"] == "unavailable" or not r.get("terra_stats"):
             rows.append([p, "", "", "", (r or {}).get("reason") or "no terra.stats()"])
             continue
+        paper = PAPER_TABLE_3_3.get(p)
         rows.append([p, terra_count(r, "traces"), terra_count(r, "fallbacks"), terra_count(r, "graph_builds"),
+                     f"{paper[0]} / {paper[1]}" if paper else "-",
                      STATUS_TEXT[r["status"]] + (f": {r['reason']}" if r["reason"] else "")])
-    md += [_table(["program", "traces", "fallbacks", "graph builds", "status"], rows), ""]
+    md += ["Counted over the whole run, warm-up included; the paper's column is its Table 3.3 "
+           "(traces / fallbacks) for the program each one stands in for.", "",
+           _table(["program", "traces", "fallbacks", "graph builds", "paper", "status"], rows), ""]
     md += ["## Terra with and without co-execution (Table 3.2)", ""]
     rows = []
     for p in progs:

@@ -68,9 +68,13 @@ def fake_terra(coexec_log):
             counters["graph_exec_s"] += 0.5
             return super().__enter__()
 
+    def end_iteration():   # an iteration is filed when it ends: a build happens then
+        counters["graph_builds"] += 1
+
     mod.GradientTape = GradientTape
     mod.config = lambda **kw: coexec_log.append(kw["coexecution"])
     mod.stats = lambda: dict(counters)
+    mod.end_iteration = end_iteration
     return mod
 
 
@@ -83,6 +87,15 @@ def test_terra_code_path_reads_stats_and_config(monkeypatch):
     assert t["terra_stats"]["timed_steps"] == 4
     assert t["terra_stats"]["warmup"]["traces"] == 2 and t["terra_stats"]["timed"]["traces"] == 4
     assert t["terra_stats"]["timed"]["graph_exec_s"] == pytest.approx(2.0)
+    # what ending a block of steps counts belongs to the block's last step: one per warm-up step
+    # (each is its own block) and one per round
+    assert t["terra_stats"]["warmup"]["graph_builds"] == 2
+    assert t["terra_stats"]["timed"]["graph_builds"] == S.rounds
+    events = t["terra_stats"]["events"]
+    assert [e[0] for e in events] == list(range(S.warmup + S.rounds * S.steps))
+    last_of_round = {S.warmup + (k + 1) * S.steps - 1 for k in range(S.rounds)}
+    assert all(e == [e[0], 1, 1 if e[0] < S.warmup or e[0] in last_of_round else 0, 0]
+               for e in events)
     # config set before warm-up and before each round, per mode
     assert log.count(True) == 1 + S.rounds and log.count(False) == 1 + S.rounds
 

@@ -58,7 +58,7 @@ def test_write_all_produces_valid_json_markdown_and_charts(tmp_path):
     assert "loss differs at step 1" in md and "no kernel" in md
     assert "Terra runtime not built yet" in md
     pngs = [p for p in paths if p.endswith(".png")]
-    assert len(pngs) == 5
+    assert len(pngs) == 6
     for p in pngs:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -67,8 +67,18 @@ def test_write_all_produces_valid_json_markdown_and_charts(tmp_path):
 def test_terra_tables_when_stats_exist(tmp_path):
     res = fake_results(with_terra=True)
     md = report.markdown(res)
-    assert "| alpha | 2 | 1 | 1 | ok |" in md
+    assert "| alpha | 2 | 1 | 1 | - | ok |" in md   # (no paper number for a toy program)
     assert "| alpha | 10.0 | 0.0 | 50.0 | 5.0 |" in md
     assert "| alpha | x2.00 [2.00-2.00] | x1.00 [1.00-1.00] |" in md
     paths = report.write_all(res, str(tmp_path))
-    assert sum(p.endswith(".png") for p in paths) == 5
+    assert sum(p.endswith(".png") for p in paths) == 6
+
+
+def test_table_3_3_stands_beside_the_papers_numbers_and_steps_are_timed_in_order(tmp_path):
+    res = fake_results(with_terra=True)
+    res["programs"]["gpt2"] = res["programs"].pop("alpha")
+    assert "| gpt2 | 2 | 1 | 1 | 2 / 0 | ok |" in report.markdown(res)
+    r = res["programs"]["gpt2"]["modes"]["terra"]
+    pts = report.step_timeline(r)
+    assert [t for _, t in pts] == list(r["warmup_s"]) + list(r["step_s"])
+    assert [i for i, _ in pts] == list(range(len(pts)))
