@@ -12,6 +12,10 @@ function's outputs. `xla`: the compute between fetch points runs in XLA scopes (
 what holds for every value of the feeds (a `Range` whose limit is computed has an unknown
 length). Fetch channels take those shapes, not the recorded ones.
 
+`bundled` names feed slots that travel together as one channel element (`feed_channels[slot]` is
+that one channel for each of them, dequeued once at the first use of any): a shape group's
+constants, which the runtime puts all at once per run.
+
 `gates` (`{start: end}`) holds the record spans of coarse units that may run only once Python
 has checked them: their ops wait for a token on the span's gate channel (`gate_channels`),
 which Python puts when the unit's guard holds (a gradient whose ops were built from a shape the
@@ -34,12 +38,17 @@ class LoweredPath:
     records after which Python reads it; `liveouts`: refs returned, in this order."""
 
     def __init__(self, trace, fetch_points: dict, liveouts, xla_scopes: bool = False,
-                 gates=None):
+                 gates=None, bundled=()):
         self.trace = trace
         self.gates = dict(gates or {})
         self.gate_channels = {start: FeedChannel("bool", (), name=f"terra_gate{start}")
                               for start in self.gates}
-        self.feed_channels = [FeedChannel(f.spec.dtype, f.spec.shape, name=f"terra_feed{f.slot}")
+        self.bundled = tuple(bundled)
+        bundle = FeedChannel([trace.feeds[s].spec.dtype for s in self.bundled],
+                             [trace.feeds[s].spec.shape for s in self.bundled],
+                             name="terra_feed_bundle") if self.bundled else None
+        self.feed_channels = [bundle if f.slot in self.bundled else
+                              FeedChannel(f.spec.dtype, f.spec.shape, name=f"terra_feed{f.slot}")
                               for f in trace.feeds]
         self.fetch_at: dict = {}
         self.fetch_channels: dict = {}   # ref -> FetchChannel, made while the body is traced
@@ -128,5 +137,11 @@ class _LazyFeeds:
         v = self.values.get(slot)
         if v is None:
             with self.spans.channel():
-                v = self.values[slot] = self.order.feed(self.lowered.feed_channels[slot])
+                v = self.order.feed(self.lowered.feed_channels[slot])
+            bundled = self.lowered.bundled
+            if slot in bundled:
+                self.values.update(zip(bundled, v))
+                v = self.values[slot]
+            else:
+                self.values[slot] = v
         return v

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 
+import tensorflow as tf
+
 from terra.compiler.shapes import unknown_shapes
 from terra.config import CONFIG
 from terra.runtime.builder import Builder
@@ -141,6 +143,7 @@ class Builds:
         m.graph = g.graph
         m.rebound = None
         m.built_for = m.build_key()
+        m.group_tensors = tuple(tf.constant(m.group_values[s]) for s in g.graph.bundled)
 
     def build_group(self, site, g, number) -> None:
         """(Re)build the graph of shape group `g` from its relaxed trace, fetching what any
@@ -165,7 +168,7 @@ class Builds:
                         if all((o.get(s) or u).end == u.end and s in o for o in units[1:])}
             gp.view = PathView(gp.trace, gp.units, site.key, site.caller_step_try)
             gp.fetch_points, gp.outside_reads, gp.liveouts = fetch_points, set(fetch_points), liveouts
-            graph = PathGraph(gp, unknown=g.unknown)
+            graph = PathGraph(gp, unknown=g.unknown, bundled=sorted(g.relaxed.const_sites))
             graph.path = gp
             g.graph = gp.graph = graph
             for m in g.members:

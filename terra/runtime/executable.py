@@ -131,15 +131,15 @@ class PathRun(Executable):
     def __init__(self, path):
         self.path = path
         self.graph = path.graph
-        # a shape group's member puts its own shape constants (shape_groups.py), once per run
-        self.constants = path.group_values if path.group is not None else None
+        # a shape group's member puts its own shape constants (shape_groups.py), once per run,
+        # as one element of the graph's bundle channel
+        self.constants = path.group_tensors if path.group is not None else None
         self.constants_put = False
 
     def _put_constants(self) -> None:
         constants, self.constants = self.constants, None
         self.constants_put = True
-        for slot, value in constants.items():
-            self.graph.feed_channels[slot].put(value)
+        self.graph.feed_channels[self.graph.bundled[0]].put(constants)
 
     def before_start(self) -> None:
         if self.constants:

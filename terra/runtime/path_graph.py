@@ -63,20 +63,23 @@ class PathGraph:
 
     run_config = None  # each run keeps the configured ConfigProto (see SiteGraph.run_config)
 
-    def __init__(self, path: "Path", unknown=None):
+    def __init__(self, path: "Path", unknown=None, bundled=()):
         """`unknown`: the outputs whose shapes the graph cannot know before it runs, where that
         is not what this graph's inference says (a shape group's relaxed trace, whose relaxed
-        dimensions each member knows: shape_groups.py)."""
+        dimensions each member knows: shape_groups.py). `bundled`: feed slots put together,
+        as one element of one channel (a shape group's constants)."""
         self.path = path
-        lowered = LoweredPath(path.trace, skip_fetch_points(path), path.liveouts, CONFIG.xla)
+        lowered = LoweredPath(path.trace, skip_fetch_points(path), path.liveouts, CONFIG.xla,
+                              bundled=bundled)
         if unknown is None:
             unknown = frozenset(r for r, s in lowered.shapes.items() if not s.is_fully_defined())
         gates = _unit_shape_checks(path, unknown)
         if gates:
             lowered = LoweredPath(path.trace, skip_fetch_points(path), path.liveouts, CONFIG.xla,
-                                  gates)
+                                  gates, bundled)
         self.gate_channels = lowered.gate_channels
         self.feed_channels = lowered.feed_channels
+        self.bundled = lowered.bundled
         self.fetch_channels = lowered.fetch_channels
         self.shapes = lowered.shapes
         # outputs whose shape the graph cannot know before it runs (a data-dependent op's, a
@@ -115,7 +118,7 @@ class PathGraph:
         feeds were all consumed and only the fetches Python did not take are left. Only when no
         run of this graph is pending or running."""
         if fetched is None:
-            for ch in (*self.feed_channels, *self.gate_channels.values()):
+            for ch in (*dict.fromkeys(self.feed_channels), *self.gate_channels.values()):
                 if ch.size():
                     ch.drain()
         for ref, ch in self.fetch_channels.items():
@@ -139,7 +142,7 @@ class PathGraph:
 
     @property
     def stall_seconds(self) -> float:
-        return sum(ch.stall_seconds for ch in self.feed_channels)
+        return sum(ch.stall_seconds for ch in dict.fromkeys(self.feed_channels))
 
 
 def _no_arithmetic_rewrites(config) -> None:

@@ -231,6 +231,7 @@ class Path:
     rebound: object = None   # the call of a shared graph over this path's variables (bind)
     group: object = None     # the ShapeGroup whose graph it runs (shape_groups.py)
     group_values: dict = field(default_factory=dict)  # its shape constants: slot -> value
+    group_tensors: tuple = ()   # the same, as tensors in the order of its graph's bundle
 
     @functools.cached_property
     def static(self) -> StaticValues:
