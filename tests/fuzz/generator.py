@@ -20,7 +20,8 @@ Python loop over steps with `with Tape() as tape:`), made of features drawn from
   input (a `tf.random.Generator` or stateful `tf.random.normal` under the global seed), the
   optimizer built before the loop or on its first step, a persistent tape with a second
   gradient, a second tape and optimizer in the step (as in a GAN), an op inside
-  `tape.stop_recording()` at random steps only (the same op, recorded otherwise)
+  `tape.stop_recording()` at random steps only (the same op, recorded otherwise), a batch size
+  drawn per step from three (shape groups)
 
 The script's harness (`run_both`) runs the program eagerly (`tf.GradientTape`) and then under
 Terra (`tf.TerraGradientTape`, after `terra.reset()`, with a short `timeout_s`), and compares
@@ -44,7 +45,7 @@ FEATURES = (
     "break_step", "break_value", "keep_total", "keep_list", "keep_grads",
     "print", "fetch_each_step", "clip", "tf_function", "lr_assign", "small_last_batch",
     "end_iteration", "grad_accum", "loss_scale", "value_shape", "var_counter", "noise",
-    "opt_build", "persistent", "second_tape", "stop_recording",
+    "opt_build", "persistent", "second_tape", "stop_recording", "varying_batch",
 )
 
 
@@ -157,6 +158,9 @@ def choose(seed: int, exclude=()) -> dict:
     feat("second_tape", 0.15)
     feat("stop_recording", 0.15)  # (drawn last: the choices above are those of earlier versions)
     c["stop_p"] = r.choice([0.3, 0.5, 0.8])
+    feat("varying_batch", 0.25)  # (drawn after stop_recording, for the same reason)
+    c["batch_sizes"] = [r.choice([c["batch"], max(1, c["batch"] - 1), max(1, c["batch"] - 2)])
+                        for _ in range(c["steps"])]
     c["features"] = on
     return c
 
@@ -313,7 +317,10 @@ def _program(s: _Src, c: dict) -> None:
         # ---------------------------------------------------------------- loop
         with s.block(f"for step in range({T}):"):
             s("STEP[0] = step")
-            if f["small_last_batch"]:
+            if f["varying_batch"]:
+                s(f"n = {c['batch_sizes']!r}[step]  # a batch size drawn per step",
+                  "x, y = tf.constant(xs[step][:n]), tf.constant(ys[step][:n])")
+            elif f["small_last_batch"]:
                 s(f"n = {B} if step < {T - 1} else {max(1, B - 1)}  # a smaller last batch",
                   "x, y = tf.constant(xs[step][:n]), tf.constant(ys[step][:n])")
             else:

@@ -223,3 +223,51 @@ def test_relax_refuses_traces_that_differ_in_more_than_shapes():
     rank = _trace(5, None)
     rank.records[1] = _rec(1, "Relu", (OutputRef(0, 0),), (2, 5, 1))
     assert relax(Relaxed(a, {}), rank) is None        # another rank
+
+
+def _tail_program(Tape, lengths, reshape_tail):
+    """The next batch is prepared after the step's block (the iteration's tail): by a slice,
+    or by a reshape whose target Python computes from the next batch's length."""
+    keras.utils.set_random_seed(0)
+    dense = keras.layers.Dense(3)
+    opt = keras.optimizers.SGD(0.1)
+    rng = np.random.default_rng(0)
+    flat = {n: tf.constant(rng.normal(size=(2 * n * 4,)), tf.float32) for n in set(lengths)}
+    full = {n: tf.constant(rng.normal(size=(2, n + 1, 4)), tf.float32) for n in set(lengths)}
+
+    def prepare(n):
+        return tf.reshape(flat[n], [2, n, 4]) if reshape_tail else full[n][:, :-1]
+    x = prepare(lengths[0])
+    losses = []
+    for k, n in enumerate(lengths):
+        with Tape() as tape:
+            loss = tf.reduce_mean(dense(x) ** 2)
+        grads = tape.gradient(loss, dense.trainable_variables)
+        opt.apply_gradients(zip(grads, dense.trainable_variables))
+        losses.append(float(loss))
+        if k + 1 < len(lengths):
+            x = prepare(lengths[k + 1])
+    terra.end_iteration()
+    return losses, [v.numpy() for v in dense.variables]
+
+
+@pytest.mark.parametrize("reshape_tail", [False, True], ids=["slice", "reshape"])
+def test_a_next_batch_of_a_new_length_in_the_tail(reshape_tail):
+    """A slice of the next batch takes its new shape from TF's inference: every length is one
+    path, whatever length follows it. A reshape whose target is a Python constant made from the
+    next batch's length is a shape constant after the feed: that iteration falls back (each
+    (length, next length) pair is a path of its own), and the result is still eager's."""
+    lengths = [5, 6, 7, 5, 7, 6, 6, 5, 7, 7, 5, 6]
+    eager = _tail_program(tf.GradientTape, lengths, reshape_tail)
+    with CompileCounter() as c:
+        got = _tail_program(tf.TerraGradientTape, lengths, reshape_tail)
+    _assert_same(got, eager)
+    (g,) = _groups()
+    if reshape_tail:
+        # the 8 (length, next length) pairs are 8 members; the first step (the optimizer's
+        # variables are made) is a path of its own
+        assert len(g.members) == 8
+        c.assert_counts(traces=9, graph_builds=1, graph_reuses=6, fallbacks=6)
+    else:
+        assert len(g.members) == 3
+        c.assert_counts(traces=4, graph_builds=1, graph_reuses=1)
