@@ -431,7 +431,11 @@ class PythonRunner(hook.Interceptor):
 
     def _infer_shapes(self, rec) -> None:
         """This iteration's output shapes of record `rec` (past `shape_from`), by TF's
-        inference on its inputs' shapes now; diverges where it cannot fix them."""
+        inference on its inputs' shapes now; diverges where it cannot fix them. (A host op
+        runs for real: its values carry their own shapes.)"""
+        if rec.op_type in HOST_OPS:
+            return
+
         def spec_of(ref):
             if isinstance(ref, FeedRef):
                 shape = self.new_shapes.get(("feed", ref.slot), self.view.feed_specs[ref.slot].shape)

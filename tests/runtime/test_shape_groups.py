@@ -271,3 +271,35 @@ def test_a_next_batch_of_a_new_length_in_the_tail(reshape_tail):
     else:
         assert len(g.members) == 3
         c.assert_counts(traces=4, graph_builds=1, graph_reuses=1)
+
+
+def test_a_tf_data_epoch_whose_last_batch_is_smaller():
+    """`for x, y in dataset`: the iterator's next batch is a host op of the iteration's tail,
+    and the epoch's last batch has another size; the next epoch's iterator is a new one."""
+    def run(Tape):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        opt = keras.optimizers.SGD(0.1)
+        rng = np.random.default_rng(0)
+        ds = tf.data.Dataset.from_tensor_slices(
+            (rng.normal(size=(10, 3)).astype("float32"), rng.normal(size=(10, 2)).astype("float32"))
+        ).batch(4)
+        losses = []
+        for _ in range(4):
+            for x, y in ds:
+                with Tape() as tape:
+                    loss = tf.reduce_mean((model(x) - y) ** 2)
+                grads = tape.gradient(loss, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+                losses.append(float(loss))
+        terra.end_iteration()
+        return losses, [v.numpy() for v in model.variables]
+    eager = run(tf.GradientTape)
+    with CompileCounter() as c:
+        got = run(tf.TerraGradientTape)
+    _assert_same(got, eager)
+    # the two 4-batch iterations (next batch 4, next batch 2) form the group: the first two
+    # batches of every epoch run its graph. The last batch's iteration makes the next epoch's
+    # iterator (state: not compilable), so it falls back and traces once per epoch. (Without
+    # shape groups that repeating uncompilable path keeps the site eager from the second epoch.)
+    c.assert_counts(iterations=12, traces=6, graph_builds=2, graph_reuses=0, fallbacks=4)
