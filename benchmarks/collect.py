@@ -16,8 +16,8 @@ RESULTS = os.path.join(HERE, "results")
 # (report file, the command that produces it)
 SECTIONS = (
     ("results.md", "make bench  (python -m benchmarks.run)"),
-    ("dynamic/results.md", "python -m benchmarks.run --programs sdpoint,gpt2 --modes "
-     "eager,function,terra --steps 100 --out benchmarks/results/dynamic"),
+    ("dynamic/results.md", "python -m benchmarks.run --programs sdpoint,gpt2,fasterrcnn_like "
+     "--modes eager,function,terra --steps 100 --out benchmarks/results/dynamic"),
     ("coexec.md", "python -m benchmarks.coexec"),
     ("breakdown.md", "make bench-breakdown (python -m benchmarks.breakdown)"),
     ("hook_overhead.md", "python -m benchmarks.hook_overhead"),
