@@ -303,3 +303,37 @@ def test_a_tf_data_epoch_whose_last_batch_is_smaller():
     # iterator (state: not compilable), so it falls back and traces once per epoch. (Without
     # shape groups that repeating uncompilable path keeps the site eager from the second epoch.)
     c.assert_counts(iterations=12, traces=6, graph_builds=2, graph_reuses=0, fallbacks=4)
+
+
+def test_an_op_error_inside_a_groups_graph_is_eagers_and_names_the_users_line():
+    """An out-of-range index that reaches the group's graph raises eager's exception type, at
+    the step's next sync point, naming the user's line of the failing op; the steps before it
+    are eager's."""
+    def run(Tape, losses):
+        v = tf.Variable(tf.ones((6, 2)))
+        opt = keras.optimizers.SGD(0.1)
+        rng = np.random.default_rng(0)
+        sizes = [4, 3, 2, 4, 3, 2, 4, 3]
+        data = {n: tf.constant(rng.normal(size=(n, 2)), tf.float32) for n in set(sizes)}
+        idx = {n: tf.constant(np.arange(n) % 6, tf.int32) for n in set(sizes)}
+        bad = tf.constant([0, 9, 1, 2], tf.int32)      # 9 is out of range for 6 rows
+        for k, n in enumerate(sizes):
+            with Tape() as tape:
+                rows = tf.gather(v, bad if k == 6 else idx[n])  # GATHER
+                loss = tf.reduce_sum(rows * data[n])
+            opt.apply_gradients(zip(tape.gradient(loss, [v]), [v]))
+            losses.append(float(loss))
+
+    def outcome(Tape):
+        terra.reset()
+        losses = []
+        with pytest.raises(tf.errors.InvalidArgumentError) as info:
+            run(Tape, losses)
+        return losses, info.value
+    line = next(i for i, text in enumerate(open(__file__), 1) if text.rstrip().endswith("# GATHER"))
+    eager_losses, eager_error = outcome(tf.GradientTape)
+    got_losses, got_error = outcome(tf.TerraGradientTape)
+    assert got_losses == eager_losses and len(eager_losses) == 6
+    assert eager_error.__traceback__ is not None
+    assert f"test_shape_groups.py:{line}" in str(got_error)
+    assert "shape group g0" in terra.explain()
