@@ -47,9 +47,18 @@ def _placeholder_edges(placeholders: dict):
     return inner, edges
 
 
+# A placeholder's own attributes (placeholders.py, python_runner.py): none refers to another
+# placeholder, so only what user code set on it (Keras' `_keras_logits`, `_keras_mask`) is read.
+_OWN = frozenset({"_dtype", "_shape_val", "_id", "_terra_id", "_name", "_op", "_terra_resolver",
+                  "_terra_value", "_terra_bound", "_terra_owner", "_terra_ref"})
+
+
 def _attribute_values(obj):
-    """Values of `obj`'s instance attributes, and of tuples/lists among them (one level)."""
-    for v in getattr(obj, "__dict__", {}).values():
+    """Values of `obj`'s instance attributes but its own, and of tuples/lists among them (one
+    level)."""
+    for k, v in getattr(obj, "__dict__", {}).items():
+        if k in _OWN:
+            continue
         if isinstance(v, (tuple, list)):
             yield from v
         else:
