@@ -28,6 +28,17 @@ HOST_OPS = frozenset({
 }) | (UNSEEDED_RANDOM_OPS - {"RandomGammaGrad"})
 
 
+# Ops whose output length depends on the values of their inputs: a coarse unit holding one may
+# have built its later ops from that length (the Python inside read `.shape`, free when eager),
+# so it is not skipped whole (terra/runtime/sites.py, `units_for`).
+DATA_DEPENDENT_SHAPE_OPS = frozenset({
+    "Where", "Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2", "ListDiff",
+    "DynamicPartition", "NonMaxSuppression", "NonMaxSuppressionV2", "NonMaxSuppressionV3",
+    "NonMaxSuppressionV4", "NonMaxSuppressionV5", "NonMaxSuppressionWithOverlaps",
+    "CombinedNonMaxSuppression", "Bincount", "DenseBincount", "RaggedRange",
+})
+
+
 # Ops whose kernels raise only for shapes and dtypes, which a compiled path fixes, never for a
 # value (no index, size or divisor taken from a tensor): inside a program's `try`/`except`, any
 # other op is a sync point, so that its error is raised there, as in eager

@@ -134,11 +134,13 @@ class PathRun(Executable):
         # a shape group's member puts its own shape constants (shape_groups.py), once per run,
         # as one element of the graph's bundle channel
         self.constants = path.group_tensors if path.group is not None else None
-        self.constants_put = False
+        # whether this run put anything into the graph's feed channels: `runner.fed` forgets a
+        # feed of an op that diverged half-way (`_rollback`), but the channel holds it
+        self.put_any = False
 
     def _put_constants(self) -> None:
         constants, self.constants = self.constants, None
-        self.constants_put = True
+        self.put_any = True
         self.graph.feed_channels[self.graph.bundled[0]].put(constants)
 
     def before_start(self) -> None:
@@ -161,11 +163,12 @@ class PathRun(Executable):
     def put_feed(self, slot, value) -> bool:
         if self.constants:
             self._put_constants()
+        self.put_any = True
         self.graph.feed_channels[slot].put(materialized(value))
         return True
 
     def queued(self, runner) -> bool:
-        return self.constants_put or bool(runner.fed) or \
+        return self.put_any or bool(runner.fed) or \
             any(s in self.graph.gate_channels for s in runner.passed)
 
     def open_gate(self, start: int) -> bool:

@@ -166,7 +166,8 @@ class Iteration(IterationEnd):
             if eager_next:
                 s.collect_pending(convert=False)
             return
-        if eager_next or self.run is not None or self.runner is not None and self.runner.fed:
+        if eager_next or self.run is not None or self.runner is not None and \
+                self.exe.queued(self.runner):  # (before a drain: earlier runs take theirs first)
             s.collect_pending(convert=False)
         if self.run is None:
             if self.mode == "skip" and self.runner is not None and \

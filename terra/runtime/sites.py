@@ -11,7 +11,7 @@ import numpy as np
 
 from terra import _tf_private as tfp
 from terra.compiler.shapes import shapes_fixed
-from terra.ir.op_kinds import HOST_OPS
+from terra.ir.op_kinds import DATA_DEPENDENT_SHAPE_OPS, HOST_OPS
 from terra.ir.records import (ConstRef, Feed, FeedRef, OutputRef, TensorSpec, Trace,
                                 VariableRef, replace)
 from terra.runtime.fallback import Snapshot, unsnapshotable
@@ -406,11 +406,18 @@ KNOWN_REUSE_GAP = 4
 
 def units_for(trace, units) -> dict:
     """Copies of the recorded units with the feeds first used inside each (for this trace);
-    units that read a non-tensor feed first inside, or hold a host op, are dropped."""
+    units that read a non-tensor feed first inside, or hold a host op or an op whose output
+    length depends on values, are dropped."""
     out = {}
     for start, u in units.items():
         if any(r.op_type in HOST_OPS for r in trace.records[u.start:u.end]):
             continue  # skipping the unit whole would skip a host op Python must run
+        if any(r.op_type in DATA_DEPENDENT_SHAPE_OPS and r.route != "function"
+               for r in trace.records[u.start:u.end]):
+            # its Python may have read that length (`.shape` is free in eager) and built later
+            # ops from it, which no guard checks: its ops are matched one by one (their
+            # constants are checked). A Keras optimizer's sparse update filters its rows so.
+            continue
         feeds = _unit_feeds(trace, u)
         if feeds is not None:
             out[start] = GradUnit(u.start, u.end, u.guard, u.result, feeds, u.structure, u.reads,

@@ -49,6 +49,16 @@ def test_fuzz_program_equals_eager(seed):
     _check(seed)
 
 
+# Seeds of the slow sweep that once differed, each only on a loaded machine (a run's timing):
+# 978, an optimizer unit whose Python read the length of a `Where` inside it (sites.units_for)
+REGRESSION_SEEDS = (978,)
+
+
+@pytest.mark.parametrize("seed", REGRESSION_SEEDS)
+def test_fuzz_regression_seed_equals_eager(seed):
+    _check(seed)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", SLOW_SEEDS)
 def test_fuzz_program_equals_eager_slow(seed):

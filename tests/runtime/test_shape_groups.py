@@ -337,3 +337,16 @@ def test_an_op_error_inside_a_groups_graph_is_eagers_and_names_the_users_line():
     assert eager_error.__traceback__ is not None
     assert f"test_shape_groups.py:{line}" in str(got_error)
     assert "shape group g0" in terra.explain()
+
+
+def test_a_unit_holding_an_op_of_data_dependent_length_is_not_skipped_whole():
+    """Its Python may have read that length and made constants of it (a Keras optimizer's sparse
+    update filtering rows): no guard checks them, so its ops are matched one by one."""
+    from terra.runtime.path_view import GradUnit
+    from terra.runtime.sites import units_for
+
+    def rec(i, op):
+        return OpRecord(i, op, (), (), (TensorSpec("int64", (None, 1)),), None)
+    trace = Trace("t", [rec(0, "Relu"), rec(1, "Where"), rec(2, "Fill"), rec(3, "Relu")], [], [])
+    units = {0: GradUnit(0, 1, (), ()), 1: GradUnit(1, 3, (), ()), 3: GradUnit(3, 4, (), ())}
+    assert sorted(units_for(trace, units)) == [0, 3]
