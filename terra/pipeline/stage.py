@@ -8,8 +8,8 @@ to another device and load it back (BPipe).
 
 Moving a pack tensor by tensor breaks sharing: some pack tensors are variable reads (snapshots that
 alias the weights) and some are views (Reshape/Identity/...) of other pack tensors. `PackPlan`
-classifies the pack once per stage: variable reads and constants *stay* on the owner, only *bases*
-move, and views are *rebuilt* from their moved base after the load.
+classifies the pack once per stage: variable reads, constants and views of them *stay* on the
+owner, only *bases* move, and views are *rebuilt* from their moved base after the load.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class PackPlan:
     """How one micro-batch's residual pack moves. Slots index `StageProgram.pack_sources`.
 
     ``moved``: base tensors that are copied to the acceptor and back; ``kept``: variable reads and
-    constants that stay on the owner; ``views``: rebuilt from their base after a load.
+    constants (and views of them) that stay on the owner; ``views``: rebuilt from their base after a load.
     ``moved_bytes`` is what an eviction frees and what the ledger counts as the pack's size.
     """
     moved: tuple
@@ -74,8 +74,15 @@ def plan_pack(graph_tensors: Sequence) -> PackPlan:
                 return slot_of[id(t)]
         return None
 
+    def views_kept(t):
+        """A view (Reshape, ...) of a weight read or constant shares that buffer: it is no
+        activation, and moving it would free nothing."""
+        while t.op.type in VIEW_OPS and t.op.inputs:
+            t = t.op.inputs[0]
+        return t.op.type in KEPT_OPS
+
     for i, t in enumerate(graph_tensors):
-        if t.op.type in KEPT_OPS:
+        if t.op.type in KEPT_OPS or (t.op.type in VIEW_OPS and views_kept(t)):
             kept.append(i)
             continue
         base = root(t) if t.op.type in VIEW_OPS and t.shape.is_fully_defined() else None

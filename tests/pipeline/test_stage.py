@@ -121,6 +121,33 @@ def test_pack_plan_keeps_variable_reads_and_rebuilds_views():
     np.testing.assert_allclose(gw.numpy(), tape.gradient(ref, w).numpy(), rtol=1e-5)
 
 
+def test_a_view_of_a_weight_stays_with_the_weight():
+    """A reshaped weight read (Keras' EinsumDense kernel, a LayerNormalization scale) aliases the
+    variable: evicting it would free nothing, so it is kept, not counted as an activation."""
+    w = tf.Variable(tf.ones((4, 8)))
+
+    def f(x):
+        k = tf.reshape(w, [2, 2, 8])
+        return tf.reduce_sum(tf.einsum("bi,ijk->bjk", x[:, :2] * x[:, 2:], k) ** 2)
+
+    prog = st.StageProgram(f, [w], tf.TensorSpec((3, 4)))
+    graph = prog._pair.forward_graph
+    views = [i for i, k in enumerate(prog.pack_sources) if graph.outputs[k].op.type == "Reshape"
+             and graph.outputs[k].op.inputs[0].op.type == "ReadVariableOp"]
+    assert views and set(views) <= set(prog.plan.kept)
+    moved = {graph.outputs[prog.pack_sources[i]].op.type for i in prog.plan.moved}
+    assert "Reshape" not in moved
+    assert prog.plan.moved_bytes == sum(st._nbytes(graph.outputs[prog.pack_sources[i]]) for i in prog.plan.moved)
+    x = tf.random.normal((3, 4), seed=1)
+    out, pack = prog.forward(x)
+    bases = pack.split(prog.plan)
+    pack.restore(prog.plan, [tf.identity(b) for b in bases])
+    _, (gw,) = prog.backward(pack, tf.constant(1.0))
+    with tf.GradientTape() as tape:
+        ref = f(x)
+    np.testing.assert_allclose(gw.numpy(), tape.gradient(ref, w).numpy(), rtol=1e-5)
+
+
 def test_partition_and_errors():
     assert st.partition(list(range(5)), 2) == [[0, 1], [2, 3, 4]] or st.partition(list(range(5)), 2) == [[0, 1, 2], [3, 4]]
     assert sum(map(len, st.partition(list(range(8)), 4))) == 8
