@@ -319,7 +319,9 @@ class PipelineTrainer:
         self._built_for = None
         self._eval_built_for = None
         self.last_step_seconds = None
+        self.last_gradients = None
         self.transfer_seconds = [0.0] * p
+        self.link_per_byte = None    # seconds per byte the timed links took in the last step
 
     def _delay(self, src: int, dst: int, value) -> float:
         """Injected time on the wire for ``value`` going from stage ``src`` to ``dst`` (0 where
@@ -473,6 +475,12 @@ class PipelineTrainer:
         optimizer scales the loss: what its ``apply_gradients`` takes); ``apply=False`` skips
         the update."""
         state, specs = self._start(x, y)
+        if self.last_gradients is not None:
+            # The last step's sums would sit beside this step's accumulators (one more copy of the
+            # weights per rank). Dropped only once the update that reads them has run: a remote
+            # worker may not have started it, and a freed handle fails it.
+            _tf_private.wait_for_devices()
+            self.last_gradients = None
         if self._built_for != specs:
             self._build(*specs)
         state.seed = float(self._loss_scaler.scale_loss(state.seed))
@@ -489,6 +497,8 @@ class PipelineTrainer:
         loss = self._mean_loss(state)
         self.last_step_seconds = time.perf_counter() - start
         self.transfer_seconds = state.transfer_seconds
+        nbytes, seconds = state.link
+        self.link_per_byte = seconds / nbytes if nbytes else None
         return loss
 
     def _sum_tied(self, grads) -> list:
@@ -577,6 +587,7 @@ class _StepState:
         self.errors = []
         self.lock = threading.Lock()
         self.transfer_seconds = [0.0] * trainer.schedule.p
+        self.link = [0, 0.0]         # bytes and seconds on the timed links between ranks
         self.seed = 1.0 / (trainer.m * trainer.dp)  # the last stage's output gradient
 
     def guard(self, rank: int, body):
@@ -618,6 +629,18 @@ class _StepState:
             if action.kind is F:
                 EVAL_HANDLERS[F](self, rank, action)
 
+    def _send(self, key, value, src: int, dst: int):
+        """Post a stage output or input gradient; where the link between the ranks is timed (an
+        injected ``link_delay``), its seconds and bytes count toward the step's link measurement."""
+        t = self.t
+        delay = t._delay(src, dst, value)
+        if t.link_delay is not None and t.schedule.stage_ranks[src] != t.schedule.stage_ranks[dst]:
+            nbytes = sum(int(v.shape.num_elements()) * v.dtype.size for v in tf.nest.flatten(value) if v is not None)
+            with self.lock:
+                self.link[0] += nbytes
+                self.link[1] += delay
+        self.mailbox.put(key, value, delay)
+
     def _submit(self, rank, action):
         def timed():
             start = time.perf_counter()
@@ -637,7 +660,7 @@ class _StepState:
                 self.losses[a.microbatch, j] = out
             else:
                 out, pack = part.program.forward(x)
-                self.mailbox.put(("x", a.stage + 1, a.microbatch, j), out, self.t._delay(a.stage, a.stage + 1, out))
+                self._send(("x", a.stage + 1, a.microbatch, j), out, a.stage, a.stage + 1)
             packs.append(pack)
         with self.lock:
             self.packs[key] = packs
@@ -667,7 +690,7 @@ class _StepState:
                 gx, gvars = part.program.backward(pack, grad)
                 self._accumulate(a.stage, j, part, gvars)
             if sch.prev_stage(a.stage) is not None:
-                self.mailbox.put(("g", a.stage - 1, a.microbatch, j), gx, self.t._delay(a.stage, a.stage - 1, gx))
+                self._send(("g", a.stage - 1, a.microbatch, j), gx, a.stage, a.stage - 1)
         if split:
             with self.lock:
                 self.residuals[key] = residuals

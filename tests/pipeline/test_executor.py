@@ -247,3 +247,28 @@ def test_a_schedule_object_runs_as_given_and_unfinished_work_is_reported():
     assert info.value.problems
     with pytest.raises(ValueError, match="balance only with a schedule name"):
         ex.PipelineTrainer(parts, opt, devices=devices, schedule=forward_only, balance="bpipe", microbatches=1)
+
+
+def test_the_last_steps_gradients_are_gone_while_the_next_step_runs():
+    """`last_gradients` would be one more copy of every rank's weights beside the new step's
+    accumulators: it is dropped when a step starts and set again when it ends."""
+    devices = logical_cpus(2)
+    seen = []
+    trainer = None
+
+    def delay(nbytes):  # called mid-step, for every message between the ranks
+        seen.append(trainer.last_gradients is None)
+        return 0.0
+
+    trainer = ex.PipelineTrainer(st.tiny_gpt(2, devices=devices), lambda: keras.optimizers.SGD(0.1),
+                                 devices=devices, schedule="1f1b", microbatches=2, link_delay=delay)
+    try:
+        x, y = batch(4)
+        trainer.step(x, y)
+        first = trainer.last_gradients
+        assert first is not None and len(first) == 2
+        trainer.step(x, y)
+        assert trainer.last_gradients is not None and trainer.last_gradients is not first
+    finally:
+        trainer.close()
+    assert seen and all(seen)
