@@ -125,19 +125,28 @@ class Plan:
 
 
 def _costs(profile):
-    """Per call (the loss last): forward and backward cost beyond a call's fixed overhead, the
-    overhead pair, and the unit."""
+    """Per call (the loss last): forward and backward cost beyond a part's fixed cost, the fixed
+    cost pair, and the unit.
+
+    A part's fixed cost is what the model measured in two parts costs beyond it measured whole
+    (``halves - whole``), or a noop's launch where that was not measured; the calls share the
+    rest of the whole model's time in proportion to their own times beyond a noop's. So one part
+    costs exactly the whole model's time and two parts the halves' sum."""
     calls = list(profile.calls) + [profile.loss]
     if profile.measured:
         of, ob = profile.overhead
         fwd = [max(0.0, c.forward_s - of) for c in calls]
         bwd = [max(0.0, c.backward_s - ob) for c in calls]
         wf, wb = getattr(profile, "whole", (0.0, 0.0))
-        if wf > of and sum(fwd) > 0:   # scale to what the calls cost inside one graph
-            fwd = [f * (wf - of) / sum(fwd) for f in fwd]
-        if wb > ob and sum(bwd) > 0:
-            bwd = [b * (wb - ob) / sum(bwd) for b in bwd]
-        return fwd, bwd, (of, ob), "s"
+        hf, hb = getattr(profile, "halves", (0.0, 0.0))
+        pf = hf - wf if hf > wf > 0 else of
+        pb = hb - wb if hb > wb > 0 else ob
+        pf, pb = min(pf, wf) if wf > 0 else pf, min(pb, wb) if wb > 0 else pb
+        if wf > pf and sum(fwd) > 0:   # scale to what the calls cost inside one graph
+            fwd = [f * (wf - pf) / sum(fwd) for f in fwd]
+        if wb > pb and sum(bwd) > 0:
+            bwd = [b * (wb - pb) / sum(bwd) for b in bwd]
+        return fwd, bwd, (pf, pb), "s"
     fwd = [float(c.flops) for c in calls]
     return fwd, [2 * f for f in fwd], (0.0, 0.0), "FLOP"
 

@@ -10,10 +10,12 @@ its calls' internal saved bytes plus the bytes of the distinct values they save.
 recorded by variable, so a layer called twice (tied weights) is counted once per stage.
 
 Time: each call's forward and backward pair is run ``repeats`` times on one device and the median
-kept; so is a pair doing nothing (``overhead``: launching a function, which a part pays once) and
-the whole model as one part (``whole``). Calls run alone cost more than inside one graph (each pays
-for its arguments and results), so the planner scales the calls' times beyond the overhead to add
-up to the whole model's (`planner`). Running the model does not change it: every variable
+kept; so is a pair doing nothing (``overhead``: launching a function), the whole model as one part
+(``whole``) and the model cut in two parts (``halves``, their sum). Calls run alone cost more than
+inside one graph (each pays for its arguments and results), so the planner scales the calls' times
+to add up to the whole model's; what one more part costs beyond that (``halves - whole``: its
+launch, its pack crossing the call, on a remote worker several times a noop's) is each part's
+fixed cost (`planner`). Running the model does not change it: every variable
 (statistics, seed states) is restored after; forward FLOPs are counted from the graph
 (matrix products and convolutions exactly, other ops as one per output element).
 """
@@ -69,6 +71,7 @@ class Profile:
     measured: bool = True      # times measured; else only FLOPs are known
     overhead: tuple = (0.0, 0.0)   # seconds of one forward / backward call doing nothing
     whole: tuple = (0.0, 0.0)      # seconds of the whole model's forward / backward (with the loss)
+    halves: tuple = (0.0, 0.0)     # the same, summed over the model cut in two parts (0: not measured)
     temps_measured: bool = False   # temp_bytes come from an allocator (else they are 0: unknown)
 
     def table(self) -> str:
@@ -263,7 +266,7 @@ def _profile(graph, loss_fn, x_spec, y_spec, device, measure, repeats, probe) ->
         outs = tuple(segment.gives)
         profiles.append(_profile_program(call.index, call.name, program, flat_in, outs,
                                          segment.trainable_variables, state, x, None, measure, repeats, probe))
-    overhead = whole = (0.0, 0.0)
+    overhead = whole = halves = (0.0, 0.0)
     if measure:  # what any call costs doing nothing: a part pays it once, not once per call
         spec = tf.TensorSpec((1,), tf.float32)
         noop = StageProgram(lambda v: v * 2.0, [], spec, device=device)
@@ -275,10 +278,32 @@ def _profile(graph, loss_fn, x_spec, y_spec, device, measure, repeats, probe) ->
         whole_prof = _profile_program(-1, "whole", program, (), (), (), 0, tf.nest.map_structure(_zeros, x_spec),
                                       _zeros(y_spec), True, repeats)
         whole = (whole_prof.forward_s, whole_prof.backward_s)
+        if len(graph.calls) >= 2:
+            halves = _halves(graph, loss_fn, x_spec, y_spec, specs, device, repeats)
     out_specs = [specs[v] for v in graph.outputs]
     out_spec = out_specs[0] if len(out_specs) == 1 else tf.nest.pack_sequence_as(graph.output_structure, out_specs)
     loss_program = StageProgram(lambda out, labels: loss_fn(labels, out), [], out_spec, y_spec, device)
     loss = _profile_program(len(graph.calls), "loss", loss_program, tuple(graph.outputs), (), (), 0,
                             tf.nest.map_structure(_zeros, out_spec), _zeros(y_spec), measure, repeats, probe)
     return Profile(graph.name, int(tf.nest.flatten(x_spec)[0].shape[0]), tuple(profiles), loss,
-                   value_bytes, specs, tuple(graph.boundary(k) for k in range(len(graph) + 1)), measure, overhead, whole, probe is not None)
+                   value_bytes, specs, tuple(graph.boundary(k) for k in range(len(graph) + 1)), measure, overhead, whole, halves,
+                   probe is not None)
+
+
+def _halves(graph, loss_fn, x_spec, y_spec, specs, device, repeats) -> tuple:
+    """Forward and backward seconds of the model cut before its middle call, summed over the two
+    parts (each run alone, as the executor runs a part)."""
+    cut = len(graph.calls) // 2
+    first, second = graph.segment(0, cut), graph.segment(cut, len(graph.calls))
+    takes = second.takes
+    mid = specs[takes[0]] if len(takes) == 1 else tuple(specs[v] for v in takes)
+    programs = [(StageProgram(lambda v: first(v, training=True), first.trainable_variables, x_spec, device=device),
+                 x_spec, None),
+                (StageProgram(lambda v, labels: loss_fn(labels, second(v, training=True)),
+                              second.trainable_variables, mid, y_spec, device), mid, _zeros(y_spec))]
+    f = b = 0.0
+    for program, spec, labels in programs:
+        prof = _profile_program(-1, "half", program, (), (), (), 0, tf.nest.map_structure(_zeros, spec),
+                                labels, True, repeats)
+        f, b = f + prof.forward_s, b + prof.backward_s
+    return f, b

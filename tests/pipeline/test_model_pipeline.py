@@ -265,6 +265,7 @@ def test_measuring_leaves_the_model_as_it_was():
                           example_batch=(x, y))
     try:
         assert trainer.profile.measured and trainer.profile.whole[0] > 0
+        assert min(trainer.profile.halves) > 0   # the model in two parts ran too (Dropout, BatchNorm)
         assert max_err(values(model), before) == 0.0
         trainer.step(x, y)
         after_step = values(model)
