@@ -13,7 +13,8 @@ of the micro-batch size (``costs(b)``: small micro-batches run below peak effici
 network as a time per byte between ranks.
 
 **Online tuning** (`Tuner`). Between steps the tuner is told the measured step time of the plan
-it runs. Every ``period`` steps it infers the network's time per byte that makes the cost model
+it runs and, where the transport times its messages, the link's measured time per byte; that is
+the network, and the tuner re-chooses from it at once. Without it, every ``period`` steps it infers the network's time per byte that makes the cost model
 give the recent median step time for the current plan (bisection: the step time grows with the
 per-byte time), re-estimates every candidate under that network, and switches to the best if it is predicted to be at least ``min_gain`` faster (a
 margin against switching back and forth on timing noise).
@@ -165,25 +166,39 @@ class Tuner:
                 hi = mid
         return (lo + hi) / 2
 
-    def observe(self, seconds: float) -> Optional[Candidate]:
-        """Record one step of the current plan; returns the plan to switch to, or None."""
+    def observe(self, seconds: float, per_byte: Optional[float] = None) -> Optional[Candidate]:
+        """Record one step of the current plan; returns the plan to switch to, or None.
+
+        ``per_byte``: the link's seconds per byte measured over this step's messages, where the
+        transport times them. It is taken as the network at once, and the choice made from it
+        this step: a step's time tells the network only through the model of one plan (after a
+        period of steps, and poorly where that plan barely waits on the wire), a timed message
+        tells it directly."""
         step = len(self.history)
+        measured = per_byte is not None and self.factor is not None
+        if measured:
+            self.per_byte = max(self.nominal_per_byte, min(float(per_byte), self.max_per_byte))
         self.history.append((step, self.current.k, seconds, self.per_byte))
         if self._skip > 0:
             self._skip -= 1
-            return None
+            return self._choose() if measured else None
         self._recent.append(seconds)
         if len(self._recent) < self.period:
-            return None
+            return self._choose() if measured else None
         median = statistics.median(self._recent)
         self._recent = []
         if self.factor is None:   # the first period calibrates model against machine
             self.factor = median / self._model(self.current, self.nominal_per_byte)
             return None
-        if self.nominal_seconds is not None and median < self.predicted(self.current, self.nominal_per_byte):
+        if (self.nominal_seconds is not None and (not measured or self.per_byte == self.nominal_per_byte)
+                and median < self.predicted(self.current, self.nominal_per_byte)):
             # Faster than its nominal time: that measurement was high (noise), not the network low.
             self.nominal_seconds[self.current.k] = median
-        self.per_byte = self._infer(median)
+        if not measured:
+            self.per_byte = self._infer(median)
+        return self._choose()
+
+    def _choose(self) -> Optional[Candidate]:
         self._model_cache = {k: v for k, v in self._model_cache.items() if k[2] in (self.per_byte, self.nominal_per_byte)}
         choice = self.best(self.per_byte)
         if choice == self.current or (self.predicted(choice, self.per_byte)

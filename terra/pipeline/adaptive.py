@@ -92,7 +92,7 @@ class AdaptiveKFKB:
     def step(self, x, y) -> float:
         """One training step with the current plan; the tuner may pick another for the next."""
         loss = self.trainer.step(x, y)
-        new = self.tuner.observe(self.trainer.last_step_seconds)
+        new = self.tuner.observe(self.trainer.last_step_seconds, self.trainer.link_per_byte)
         if new is not None:
             self.trainer.set_schedule(new.schedule)
             self.switches.append((len(self.tuner.history), new.k))

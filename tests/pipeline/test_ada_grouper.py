@@ -70,6 +70,35 @@ def test_tuner_follows_the_network_and_beats_every_fixed_k():
     assert max(h[3] for h in tuner.history) == pytest.approx(1e-3, rel=1e-6)
 
 
+def test_a_measured_link_switches_at_the_first_step_of_a_new_network():
+    """Told the link's time per byte each step, the tuner runs the offline best from the step
+    after the network changes (no period of step times to wait for), and so loses less to every
+    change than the tuner that infers the network from step times."""
+    cands = ag.candidates(P, BATCH, act_bytes_per_sample=ACT, static_bytes=STATIC, budget=24000)
+    phases = [(0.0, 12), (3e-4, 18), (1e-3, 12), (0.0, 15)]
+    trace = [pb for pb, n in phases for _ in range(n)]
+    offline = {pb: min(cands, key=lambda c: (machine(c, pb), c.k)).k for pb, _ in phases}
+    totals = {}
+    for told in (True, False):
+        tuner = ag.Tuner(cands, costs, MSG, period=3, max_per_byte=0.01, settle=2,
+                         nominal_seconds={c.k: machine(c, 0.0) for c in cands})
+        total, ks = 0.0, []
+        for pb in trace:
+            seconds = machine(tuner.current, pb)
+            total += seconds
+            ks.append(tuner.current.k)
+            tuner.observe(seconds, pb if told else None)
+        totals[told] = total
+        if told:
+            start = 0
+            for pb, n in phases:   # the phase's first step runs the old plan, every later one the best
+                assert ks[start + 1:start + n] == [offline[pb]] * (n - 1), (pb, ks)
+                start += n
+            assert [h[3] for h in tuner.history] == trace
+    assert totals[True] < totals[False]
+    assert totals[True] < min(sum(machine(c, pb) for pb in trace) for c in cands)
+
+
 def test_measured_nominal_times_replace_the_calibration():
     cands = ag.candidates(P, BATCH, act_bytes_per_sample=ACT, static_bytes=STATIC, budget=24000)
     measured = {c.k: machine(c, 0.0) for c in cands}

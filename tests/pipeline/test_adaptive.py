@@ -84,6 +84,23 @@ def test_link_delay_counts_bytes_between_ranks_only():
     assert sorted(seen) == [2 * 16 * 32 * 4] * 4
 
 
+def test_a_step_measures_the_timed_links_per_byte():
+    devices = logical_cpus(2)
+    runs = {}
+    for name, delay in (("none", None), ("zero", lambda n: 0.0), ("slow", lambda n: n * 2e-9)):
+        trainer = ex.PipelineTrainer(st.tiny_gpt(2, devices=devices), lambda: keras.optimizers.SGD(0.1),
+                                     devices=devices, schedule="1f1b", microbatches=2, link_delay=delay)
+        try:
+            assert trainer.link_per_byte is None
+            trainer.step(*batch(4))
+            runs[name] = trainer.link_per_byte
+        finally:
+            trainer.close()
+    assert runs["none"] is None          # no timed link: nothing measured
+    assert runs["zero"] == 0.0           # a link that takes no time is measured as such
+    assert runs["slow"] == pytest.approx(2e-9, rel=1e-9)
+
+
 def test_adaptive_set_up_measures_every_candidate_and_leaves_the_model_as_it_was():
     devices = logical_cpus(4)
     parts = st.tiny_gpt(4, devices=devices)
