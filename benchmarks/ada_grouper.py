@@ -40,9 +40,16 @@ def main():
     parser.add_argument("--steps-per-phase", type=int, default=24)
     parser.add_argument("--budget", type=int, default=3_000_000)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--parallel", type=float, default=None,
+                        help="the tuner's model: how many actions this machine's cores run at once at "
+                             "full speed (Costs.parallel; 0: a device per rank). Default 1 on logical "
+                             "CPUs (an action alone uses both cores through the process's one pool), "
+                             "2 on cluster workers (a worker's action is mostly its RPC, one core each)")
     parser.add_argument("--cluster", action="store_true",
                         help="ranks on local tf.distribute.Server workers (run inside `unshare -rn`)")
     args = parser.parse_args()
+    if args.parallel is None:
+        args.parallel = 2.0 if args.cluster else 1.0
     if args.cluster:
         from terra.pipeline import cluster
         with cluster.LocalCluster(P) as local:
@@ -72,7 +79,8 @@ def run(args, devices, where):
         return tr, delay
 
     tr, delay = trainer()
-    ada = AdaptiveKFKB(tr, x, y, budget=args.budget, period=3)
+    # Every rank here shares this machine's cores (logical CPUs, or local worker processes).
+    ada = AdaptiveKFKB(tr, x, y, budget=args.budget, period=3, parallel=args.parallel or None)
     candidates = ada.candidates
     adaptive = run_trace(tr, lambda: ada.step(x, y), lambda: ada.k, delay, trace)
     tr.close()
@@ -93,9 +101,10 @@ def run(args, devices, where):
     lines = [f"# Ada-Grouper under an injected slow link ({P} ranks on {where}, global batch {args.batch})", "",
              f"Machine: {report['machine']}. Link: every message between ranks waits bytes x time-per-byte. "
              f"Candidates on the memory-limit curve (budget {args.budget} B per rank): "
-             f"{', '.join(report['candidates'])}. Median step ms per phase ({n} steps each; the tuner "
-             "re-evaluates every 3 steps after 2 settling steps per switch, and switches for a predicted "
-             "gain of 10% or more).", "",
+             f"{', '.join(report['candidates'])}. Median step ms per phase ({n} steps each). The tuner "
+             "is told each step's time and the link's measured seconds per byte over the step's messages, "
+             "re-chooses from that at once, and switches for a predicted gain of 10% or more; its model "
+             f"has the {P} ranks share this machine's cores (`parallel={args.parallel:g}`).", "",
              "| phase | s/byte | " + " | ".join(f"k={k}" for k in fixed) + " | offline best | adaptive (k at phase end) |",
              "|---|---|" + "---|" * len(fixed) + "---|---|"]
     for i, (name, pb) in enumerate(phases):

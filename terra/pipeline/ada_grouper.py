@@ -79,13 +79,15 @@ def candidates(p: int, batch: int, *, act_bytes_per_sample: Sequence[int], stati
 
 
 def estimate(candidate: Candidate, costs: Callable[[int], tuple], message_bytes_per_sample: Sequence[int],
-             per_byte: float) -> float:
+             per_byte: float, parallel: Optional[float] = None) -> float:
     """Modelled step time of ``candidate``: ``costs(b)`` gives per-stage ``(F, B)`` lists for
-    micro-batch size ``b``; messages scale with ``b``."""
+    micro-batch size ``b``; messages scale with ``b``; ``parallel``: `Costs.parallel` (ranks that
+    share compute; None: a device per rank)."""
     f, bw = costs(candidate.microbatch_size)
     sim = simulate(candidate.schedule, costs=Costs(F=list(f), B=list(bw), W=0.0, per_byte=per_byte,
                                                    message_bytes=_scaled(message_bytes_per_sample,
-                                                                         candidate.microbatch_size)))
+                                                                         candidate.microbatch_size),
+                                                   parallel=parallel))
     return sim.step_time
 
 
@@ -112,6 +114,7 @@ class Tuner:
     settle: int = 0            # observations ignored after the start and after each switch (warm-up)
     nominal_seconds: Optional[dict] = None   # k -> measured step seconds on the nominal network
     min_gain: float = 0.0      # switch only for a predicted step at least this fraction shorter
+    parallel: Optional[float] = None   # ranks sharing compute (`Costs.parallel`); None: a device per rank
     current: Candidate = None
     per_byte: float = None
     factor: Optional[float] = None
@@ -136,7 +139,8 @@ class Tuner:
     def _model(self, candidate, per_byte):
         key = (candidate.k, candidate.microbatch_size, per_byte)
         if key not in self._model_cache:
-            self._model_cache[key] = estimate(candidate, self.costs, self.message_bytes_per_sample, per_byte)
+            self._model_cache[key] = estimate(candidate, self.costs, self.message_bytes_per_sample, per_byte,
+                                              self.parallel)
         return self._model_cache[key]
 
     def predicted(self, candidate, per_byte) -> float:

@@ -37,11 +37,13 @@ class AdaptiveKFKB:
     ``trainer``: a `PipelineTrainer` with one part per rank (its schedule is replaced);
     ``x``, ``y``: a batch of the global size every step will have; ``budget``: bytes per rank;
     ``nominal_per_byte``: the network's time per byte when set-up runs; ``period``: steps between
-    re-evaluations."""
+    re-evaluations; ``parallel``: how many actions the ranks' devices run at once at full speed
+    (`Costs.parallel`: about 1 for ranks sharing one machine's cores; None: a device per rank)."""
 
     def __init__(self, trainer: PipelineTrainer, x, y, *, budget: int, period: int = 3,
                  nominal_per_byte: float = 0.0, max_k: Optional[int] = None, repeats: int = 3,
-                 settle: int = 2, min_gain: float = 0.1, nominal_repeats: int = 5):
+                 settle: int = 2, min_gain: float = 0.1, nominal_repeats: int = 5,
+                 parallel: Optional[float] = None):
         sch = trainer.schedule
         if sch.num_stages != sch.p:
             raise ValueError("Ada-Grouper runs kFkB: one model part per rank")
@@ -81,7 +83,8 @@ class AdaptiveKFKB:
                 v.assign(value)
         self.tuner = ada_grouper.Tuner(self.candidates, self._costs.__getitem__, msg,
                                        nominal_per_byte=nominal_per_byte, period=period, settle=settle,
-                                       nominal_seconds=self.nominal_seconds, min_gain=min_gain)
+                                       nominal_seconds=self.nominal_seconds, min_gain=min_gain,
+                                       parallel=parallel)
         trainer.set_schedule(self.tuner.current.schedule)
         self.switches = []
 

@@ -108,3 +108,19 @@ def test_measured_nominal_times_replace_the_calibration():
     assert switched[:2] == [None, None] and switched[2].k == 4   # settle, then one period of 2
     with pytest.raises(ValueError, match="no candidate"):
         ag.Tuner([], costs, MSG)
+
+
+def test_ranks_sharing_compute_are_modelled_as_such():
+    """On one machine's cores (logical CPUs, local workers) the ranks' actions slow each other
+    down: the tuner's model takes `Costs.parallel` and ranks candidates by it."""
+    cands = ag.candidates(P, BATCH, act_bytes_per_sample=ACT, static_bytes=STATIC, budget=24000)
+    shared = ag.Tuner(cands, costs, MSG, parallel=1, nominal_seconds={c.k: 1.0 for c in cands})
+    alone = ag.Tuner(cands, costs, MSG, nominal_seconds={c.k: 1.0 for c in cands})
+    for c in cands:
+        assert shared._model(c, 1e-3) == ag.estimate(c, costs, MSG, 1e-3, parallel=1)
+        assert alone._model(c, 1e-3) == ag.estimate(c, costs, MSG, 1e-3)
+    # With one device's worth of compute for 4 ranks, the step is at least all the work.
+    c = cands[0]
+    f, b = costs(c.microbatch_size)
+    assert shared._model(c, 0.0) == pytest.approx(c.microbatches * (sum(f) + sum(b)))
+    assert alone._model(c, 0.0) < shared._model(c, 0.0)
