@@ -124,29 +124,36 @@ class Plan:
         return "\n".join(lines)
 
 
-def _costs(profile):
-    """Per call (the loss last): forward and backward cost beyond a part's fixed cost, the fixed
-    cost pair, and the unit.
+def _scale(costs, start, stop, target):
+    """Scale ``costs[start:stop]`` in place to add up to ``target`` (where both are positive)."""
+    total = sum(costs[start:stop])
+    if target > 0 and total > 0:
+        costs[start:stop] = [c * target / total for c in costs[start:stop]]
 
-    A part's fixed cost is what the model measured in two parts costs beyond it measured whole
-    (``halves - whole``), or a noop's launch where that was not measured; the calls share the
-    rest of the whole model's time in proportion to their own times beyond a noop's. So one part
-    costs exactly the whole model's time and two parts the halves' sum."""
+
+def _costs(profile):
+    """Per call (the loss last): forward and backward cost beyond a part's fixed cost (a noop's
+    launch), the fixed cost pair, and the unit.
+
+    Calls run alone cost more than inside one part; their times beyond a noop's are scaled to add
+    up to what the model's halves cost beyond one (each half's calls to that half,
+    `Profile.halves`), or where those were not measured to the whole model's. A part is then
+    costed from the half its calls lie in: one half is predicted at exactly its measured time."""
     calls = list(profile.calls) + [profile.loss]
     if profile.measured:
         of, ob = profile.overhead
         fwd = [max(0.0, c.forward_s - of) for c in calls]
         bwd = [max(0.0, c.backward_s - ob) for c in calls]
-        wf, wb = getattr(profile, "whole", (0.0, 0.0))
-        hf, hb = getattr(profile, "halves", (0.0, 0.0))
-        pf = hf - wf if hf > wf > 0 else of
-        pb = hb - wb if hb > wb > 0 else ob
-        pf, pb = min(pf, wf) if wf > 0 else pf, min(pb, wb) if wb > 0 else pb
-        if wf > pf and sum(fwd) > 0:   # scale to what the calls cost inside one graph
-            fwd = [f * (wf - pf) / sum(fwd) for f in fwd]
-        if wb > pb and sum(bwd) > 0:
-            bwd = [b * (wb - pb) / sum(bwd) for b in bwd]
-        return fwd, bwd, (pf, pb), "s"
+        n = len(profile.calls)
+        spans = getattr(profile, "halves", ())
+        if not spans:
+            wf, wb = getattr(profile, "whole", (0.0, 0.0))
+            spans = ((0, n, wf, wb),)
+        for start, stop, f, b in spans:
+            stop = stop + 1 if stop == n else stop   # the last part holds the loss
+            _scale(fwd, start, stop, f - of)
+            _scale(bwd, start, stop, b - ob)
+        return fwd, bwd, (of, ob), "s"
     fwd = [float(c.flops) for c in calls]
     return fwd, [2 * f for f in fwd], (0.0, 0.0), "FLOP"
 

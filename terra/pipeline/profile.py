@@ -10,12 +10,14 @@ its calls' internal saved bytes plus the bytes of the distinct values they save.
 recorded by variable, so a layer called twice (tied weights) is counted once per stage.
 
 Time: each call's forward and backward pair is run ``repeats`` times on one device and the median
-kept; so is a pair doing nothing (``overhead``: launching a function), the whole model as one part
-(``whole``) and the model cut in two parts (``halves``, their sum). Calls run alone cost more than
-inside one graph (each pays for its arguments and results), so the planner scales the calls' times
-to add up to the whole model's; what one more part costs beyond that (``halves - whole``: its
-launch, its pack crossing the call, on a remote worker several times a noop's) is each part's
-fixed cost (`planner`). Running the model does not change it: every variable
+kept; so is a pair doing nothing (``overhead``: launching a function, which a part pays once), the
+whole model as one part (``whole``) and the model cut in two parts before its middle call
+(``halves``, each part run alone, as the executor runs it). Calls run alone cost more than inside
+one part (each pays for its arguments and results), so the planner scales the calls' times beyond
+a noop's to add up to what each half cost: a part is costed from the half its calls lie in, which
+is nearer its size than the whole model (on cluster workers the whole model's backward took half
+the time of its four parts' together, two halves most of it) and keeps what is dear in one half
+(an embedding's backward) in that half (`planner`). Running the model does not change it: every variable
 (statistics, seed states) is restored after; forward FLOPs are counted from the graph
 (matrix products and convolutions exactly, other ops as one per output element).
 """
@@ -71,7 +73,7 @@ class Profile:
     measured: bool = True      # times measured; else only FLOPs are known
     overhead: tuple = (0.0, 0.0)   # seconds of one forward / backward call doing nothing
     whole: tuple = (0.0, 0.0)      # seconds of the whole model's forward / backward (with the loss)
-    halves: tuple = (0.0, 0.0)     # the same, summed over the model cut in two parts (0: not measured)
+    halves: tuple = ()             # ((start, stop, forward s, backward s), ...): the model in two parts
     temps_measured: bool = False   # temp_bytes come from an allocator (else they are 0: unknown)
 
     def table(self) -> str:
@@ -266,20 +268,14 @@ def _profile(graph, loss_fn, x_spec, y_spec, device, measure, repeats, probe) ->
         outs = tuple(segment.gives)
         profiles.append(_profile_program(call.index, call.name, program, flat_in, outs,
                                          segment.trainable_variables, state, x, None, measure, repeats, probe))
-    overhead = whole = halves = (0.0, 0.0)
+    overhead = whole = (0.0, 0.0)
+    halves = ()
     if measure:  # what any call costs doing nothing: a part pays it once, not once per call
         spec = tf.TensorSpec((1,), tf.float32)
         noop = StageProgram(lambda v: v * 2.0, [], spec, device=device)
         noop_prof = _profile_program(-1, "noop", noop, (), (), (), 0, _zeros(spec), None, True, max(repeats, 5))
         overhead = (noop_prof.forward_s, noop_prof.backward_s)
-        model = graph.segment(0, len(graph))
-        program = StageProgram(lambda v, labels: loss_fn(labels, model(v, training=True)),
-                               model.trainable_variables, x_spec, y_spec, device)
-        whole_prof = _profile_program(-1, "whole", program, (), (), (), 0, tf.nest.map_structure(_zeros, x_spec),
-                                      _zeros(y_spec), True, repeats)
-        whole = (whole_prof.forward_s, whole_prof.backward_s)
-        if len(graph.calls) >= 2:
-            halves = _halves(graph, loss_fn, x_spec, y_spec, specs, device, repeats)
+        whole, halves = _whole_and_halves(graph, loss_fn, x_spec, y_spec, specs, device, repeats)
     out_specs = [specs[v] for v in graph.outputs]
     out_spec = out_specs[0] if len(out_specs) == 1 else tf.nest.pack_sequence_as(graph.output_structure, out_specs)
     loss_program = StageProgram(lambda out, labels: loss_fn(labels, out), [], out_spec, y_spec, device)
@@ -290,20 +286,49 @@ def _profile(graph, loss_fn, x_spec, y_spec, device, measure, repeats, probe) ->
                    probe is not None)
 
 
-def _halves(graph, loss_fn, x_spec, y_spec, specs, device, repeats) -> tuple:
-    """Forward and backward seconds of the model cut before its middle call, summed over the two
-    parts (each run alone, as the executor runs a part)."""
-    cut = len(graph.calls) // 2
-    first, second = graph.segment(0, cut), graph.segment(cut, len(graph.calls))
-    takes = second.takes
-    mid = specs[takes[0]] if len(takes) == 1 else tuple(specs[v] for v in takes)
-    programs = [(StageProgram(lambda v: first(v, training=True), first.trainable_variables, x_spec, device=device),
-                 x_spec, None),
-                (StageProgram(lambda v, labels: loss_fn(labels, second(v, training=True)),
-                              second.trainable_variables, mid, y_spec, device), mid, _zeros(y_spec))]
-    f = b = 0.0
-    for program, spec, labels in programs:
-        prof = _profile_program(-1, "half", program, (), (), (), 0, tf.nest.map_structure(_zeros, spec),
-                                labels, True, repeats)
-        f, b = f + prof.forward_s, b + prof.backward_s
-    return f, b
+def _whole_and_halves(graph, loss_fn, x_spec, y_spec, specs, device, repeats) -> tuple:
+    """Forward and backward seconds of the whole model as one part, and ``((start, stop, forward,
+    backward), ...)`` of the model cut before its middle call into two parts, each run alone as the
+    executor runs a part. All are timed in the same rounds, one after the other, three times as
+    often as a call: a machine that slows down for a while moves them alike."""
+    model = graph.segment(0, len(graph))
+    pieces = [[(StageProgram(lambda v, labels: loss_fn(labels, model(v, training=True)),
+                             model.trainable_variables, x_spec, y_spec, device), x_spec, True)]]
+    if len(graph.calls) >= 2:
+        cut = len(graph.calls) // 2
+        first, second = graph.segment(0, cut), graph.segment(cut, len(graph.calls))
+        takes = second.takes
+        mid = specs[takes[0]] if len(takes) == 1 else tuple(specs[v] for v in takes)
+        pieces.append([(StageProgram(lambda v: first(v, training=True), first.trainable_variables, x_spec,
+                                     device=device), x_spec, False)])
+        pieces.append([(StageProgram(lambda v, labels: loss_fn(labels, second(v, training=True)),
+                                     second.trainable_variables, mid, y_spec, device), mid, True)])
+    runs = []   # per piece: its programs' forward and backward calls
+    for programs in pieces:
+        calls = []
+        for program, spec, last in programs:
+            x, labels = tf.nest.map_structure(_zeros, spec), (_zeros(y_spec) if last else None)
+            out, pack = program.forward(x, labels)
+            grad = tf.nest.map_structure(tf.ones_like, out)
+            calls.append((lambda p=program, x=x, labels=labels: p.forward(x, labels),
+                          lambda p=program, pack=pack, grad=grad: p.backward(pack, grad)))
+        runs.append(calls)
+    samples = [[[], []] for _ in runs]
+    for _ in range(WARMUP):
+        for calls in runs:
+            for fwd, bwd in calls:
+                fwd(), bwd()
+    for _ in range(3 * repeats):
+        for piece, calls in zip(samples, runs):
+            for which in (0, 1):
+                _tf_private.wait_for_devices()
+                start = time.perf_counter()
+                for pair in calls:
+                    pair[which]()
+                    _tf_private.wait_for_devices()
+                piece[which].append(time.perf_counter() - start)
+    medians = [(statistics.median(f), statistics.median(b)) for f, b in samples]
+    if len(medians) == 1:
+        return medians[0], ()
+    bounds = (0, len(graph.calls) // 2, len(graph.calls))
+    return medians[0], tuple((bounds[i], bounds[i + 1]) + medians[i + 1] for i in range(2))

@@ -265,7 +265,9 @@ def test_measuring_leaves_the_model_as_it_was():
                           example_batch=(x, y))
     try:
         assert trainer.profile.measured and trainer.profile.whole[0] > 0
-        assert min(trainer.profile.halves) > 0   # the model in two parts ran too (Dropout, BatchNorm)
+        halves = trainer.profile.halves   # the model in two parts ran too (Dropout, BatchNorm)
+        n = len(trainer.profile.calls)
+        assert [h[:2] for h in halves] == [(0, n // 2), (n // 2, n)] and min(min(h[2:]) for h in halves) > 0
         assert max_err(values(model), before) == 0.0
         trainer.step(x, y)
         after_step = values(model)

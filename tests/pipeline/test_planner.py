@@ -66,23 +66,24 @@ def test_bad_cuts_and_budgets_are_refused():
         planner.plan(profile, schedules.chimera(2, 2))
 
 
-def test_a_part_costs_what_the_model_in_two_parts_costs_beyond_it_whole():
-    """Measured: a noop's launch, the whole model, the model in two parts. A part's fixed cost is
-    halves - whole (not the noop's); the calls share the rest of the whole model's time by their
-    own times beyond the noop's. So one part is predicted at the whole model's time, two at the
-    halves' sum, and every further part adds the same fixed cost."""
+def test_parts_are_costed_from_the_half_of_the_model_they_lie_in():
+    """Measured: a noop's launch (a part's fixed cost), the model in two halves. Each half's calls
+    share that half's time beyond the launch by their own times beyond a noop's, so a half is
+    predicted at exactly its measured time and a quarter at the launch plus its calls' share."""
     import dataclasses
     base = synthetic([3.0, 1.0, 2.0, 2.0], [0] * 4)   # alone: F 3, 1, 2, 2; B twice that
-    profile = dataclasses.replace(base, overhead=(0.5, 0.25), whole=(6.0, 10.0), halves=(7.5, 13.0))
+    profile = dataclasses.replace(base, overhead=(0.5, 0.25), whole=(6.0, 10.0),
+                                  halves=((0, 2, 4.5, 9.0), (2, 4, 3.5, 5.0)))
     fwd, bwd, fixed, unit = planner._costs(profile)
-    assert unit == "s" and fixed == pytest.approx((1.5, 3.0))
-    assert sum(fwd) == pytest.approx(4.5) and sum(bwd) == pytest.approx(7.0)
-    assert fwd[:4] == pytest.approx([4.5 * 2.5 / 6, 4.5 * 0.5 / 6, 4.5 * 1.5 / 6, 4.5 * 1.5 / 6])
+    assert unit == "s" and fixed == (0.5, 0.25)
+    assert fwd == pytest.approx([4.0 * 2.5 / 3, 4.0 * 0.5 / 3, 1.5, 1.5, 0.0])
+    assert bwd == pytest.approx([8.75 * 5.75 / 7.5, 8.75 * 1.75 / 7.5, 2.375, 2.375, 0.0])
     parts = planner._Parts(profile, 0)
-    assert sum(parts.time(0, 4)) == pytest.approx(16.0)                          # the whole model
-    assert sum(parts.time(0, 2)) + sum(parts.time(2, 4)) == pytest.approx(20.5)  # the halves
+    assert parts.time(0, 2) == pytest.approx((4.5, 9.0))     # the halves, as measured
+    assert parts.time(2, 4) == pytest.approx((3.5, 5.0))
     four = planner.plan(profile, schedules.one_f_one_b(4, 4))
-    assert sum(p.time for p in four.parts) == pytest.approx(16.0 + 3 * 4.5)
-    # Without the halves measured, the noop's launch is a part's fixed cost, as before.
-    old = dataclasses.replace(base, overhead=(0.5, 0.25), whole=(6.0, 10.0))
-    assert planner._costs(old)[2] == pytest.approx((0.5, 0.25))
+    assert sum(p.time for p in four.parts) == pytest.approx(4.5 + 9.0 + 3.5 + 5.0 + 2 * 0.75)
+    # Without the halves measured, the calls share the whole model's time.
+    whole = dataclasses.replace(base, overhead=(0.5, 0.25), whole=(6.0, 10.0))
+    assert parts.time(0, 4) != planner._Parts(whole, 0).time(0, 4)
+    assert planner._Parts(whole, 0).time(0, 4) == pytest.approx((6.0, 10.0))
