@@ -108,26 +108,43 @@ def markdown(report):
                      f"{r['ledger_peak_packs']} | {[round(b / 1024) for b in r['ledger_peak_activation']]} | {same} |")
     if report.get("cluster"):
         lines += ["", "## Cluster mode (one TF server process per stage, BFC allocator per worker)", "",
-                  "| run | step ms (median) | grad err vs single device | ledger peak packs | allocator peak KiB / worker (above idle) | transfer ms |",
-                  "|---|---|---|---|---|---|"]
+                  "Predicted as in-process, each stage timed alone on its worker (`calibrate.predict`); "
+                  "predicted peaks add each worker's measured backward working set (its allocator's peak "
+                  "during the stage's backward, or the accumulation's two copies of the weights) to the "
+                  "simulated ledger peak, beside the worker's allocator peak over the timed step (steps run "
+                  "without applying the update: gradients are compared with one device's).", "",
+                  "| run | step ms (median) | predicted ms (device per rank) | predicted ms (shared) | measured / shared | bubble (predicted) | grad err vs single device | ledger peak packs | predicted peak KiB / worker | allocator peak KiB / worker | peak error (worst) | transfer ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, r in report["cluster"]["runs"].items():
-            above = [round((a - b) / 1024) for a, b in zip(r["allocator_peak"], r["allocator_base"])]
-            lines.append(f"| {name} | {r['seconds'] * 1e3:.0f} | {r['grad_err']:.1e} | {r['ledger_peak_packs']} | "
-                         f"{above} | {sum(r['transfer_seconds']) * 1e3:.0f} |")
+            predicted, peak = r.get("predicted_peak"), r["allocator_peak"]
+            if predicted:
+                errors = [(a - b) / b for a, b in zip(predicted, peak)]
+                worst = max(errors, key=abs)
+                cols = (f"{r['predicted_s'] * 1e3:.0f} | {r['predicted_shared_s'] * 1e3:.0f} | "
+                        f"{r['seconds'] / r['predicted_shared_s']:.2f} | {r['predicted_bubble']:.2f}")
+                pk = f"{[round(b / 1024) for b in predicted]} | {[round(b / 1024) for b in peak]} | {worst:+.1%}"
+            else:
+                cols, pk = "- | - | - | -", f"- | {[round(b / 1024) for b in peak]} | -"
+            lines.append(f"| {name} | {r['seconds'] * 1e3:.0f} | {cols} | {r['grad_err']:.1e} | {r['ledger_peak_packs']} | "
+                         f"{pk} | {sum(r['transfer_seconds']) * 1e3:.0f} |")
     if report.get("cluster_keras"):
         k = report["cluster_keras"]
         lines += ["", "## A plain-Keras GPT cut by the planner, on the cluster workers", "",
                   "`python -m terra.pipeline.cluster keras`: profiled on worker 0 (its allocator measures each "
                   "call's backward working set), planned, trained; per worker the plan's total (ledger terms "
                   "plus temporaries) beside the allocator peak, and per part the predicted forward + backward "
-                  "beside the part run alone.", "", "```", k["plan"], "```", "",
-                  "| worker | predicted peak KiB | allocator peak KiB | error | ledger peak KiB (= predicted in its terms) | part F+B ms predicted | measured |",
-                  "|---|---|---|---|---|---|---|"]
+                  "beside the part run alone (median of 5 runs, their range in brackets). A part's share is its "
+                  "F+B over the sum of the parts' (what the planner balances; a machine slower at check time "
+                  "than while profiling leaves the shares as they were).", "", "```", k["plan"], "```", "",
+                  "| worker | predicted peak KiB | allocator peak KiB | error | ledger peak KiB (= predicted in its terms) | part F+B ms predicted | measured (range) | error | share error |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for i, (r, part) in enumerate(zip(k["ranks"], k["parts"])):
+            lo, hi = part.get("fb_spread", (0.0, 0.0))
             lines.append(f"| {i} | {r['predicted_peak'] // 1024} | {r['allocator_peak'] // 1024} | {r['peak_error']:+.1%} | "
                          f"{r['ledger_peak'] // 1024} ({'=' if r['ledger_peak'] == r['predicted_ledger_peak'] else '!='}) | "
                          f"{(part['forward_s_predicted'] + part['backward_s_predicted']) * 1e3:.2f} | "
-                         f"{(part['forward_s'] + part['backward_s']) * 1e3:.2f} |")
+                         f"{(part['forward_s'] + part['backward_s']) * 1e3:.2f} ({lo * 1e3:.1f}-{hi * 1e3:.1f}) | "
+                         f"{part.get('fb_error', 0.0):+.1%} | {part.get('share_error', 0.0):+.1%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -211,8 +228,9 @@ def main():
         from terra.pipeline import cluster
         report["cluster"] = cluster.run_isolated(
             ["demo", "--workers", str(args.stages), "--microbatches", str(args.microbatches),
-             "--schedules", "1f1b,1f1b+bpipe,1f1b+bpipe+sync,gpipe", "--repeats", str(args.repeats),
-             "--seq", str(args.seq), "--d-model", str(args.d_model), "--mb-size", str(args.mb_size)], timeout=400)
+             "--schedules", "1f1b,1f1b+bpipe,1f1b+bpipe+sync,gpipe,interleaved,kfkb,chimera,zb-h1,zb-v,dualpipe-v",
+             "--repeats", str(args.repeats),
+             "--seq", str(args.seq), "--d-model", str(args.d_model), "--mb-size", str(args.mb_size)], timeout=900)
         report["cluster_keras"] = cluster.run_isolated(["keras", "--workers", str(args.stages)], timeout=400)
     report["in_process"] = time_schedules(args.stages, args.microbatches, args.repeats, args.seq,
                                           args.d_model, args.mb_size)

@@ -215,7 +215,7 @@ def demo(workers: int, microbatches: int, seq: int, d_model: int, mb_size: int, 
     import numpy as np
     import keras
     import tensorflow as tf
-    from terra.pipeline import executor, stage as st
+    from terra.pipeline import calibrate, executor, stage as st
 
     report = {"workers": workers, "runs": {}}
     rng = np.random.default_rng(0)
@@ -244,11 +244,17 @@ def demo(workers: int, microbatches: int, seq: int, d_model: int, mb_size: int, 
         devices = cluster.devices
         for name in schedules:
             sched, *flags = name.split("+")            # e.g. "1f1b+bpipe+sync"
-            parts, ref_loss, ref = model(executor.make_schedule(sched, workers, microbatches))
+            plan = executor.make_schedule(sched, workers, microbatches)
+            parts, ref_loss, ref = model(plan)
+            replicas = None
+            if sched == "chimera":   # the upward pipeline's copy: part k on rank p - 1 - k
+                replicas = st.tiny_gpt(plan.pipe_depth, d_model=d_model, seq=seq,
+                                       devices=[devices[workers - 1 - k] for k in range(plan.pipe_depth)])
             trainer = executor.PipelineTrainer(parts, lambda: keras.optimizers.Adam(1e-3),
                                                devices=devices, schedule=sched,
                                                balance="bpipe" if "bpipe" in flags else None,
-                                               microbatches=microbatches, overlap="sync" not in flags)
+                                               microbatches=microbatches, overlap="sync" not in flags,
+                                               replica_stages=replicas)
             trainer.step(x, y, apply=False)              # build and warm up
             times = []
             for _ in range(repeats):
@@ -262,7 +268,15 @@ def demo(workers: int, microbatches: int, seq: int, d_model: int, mb_size: int, 
             grads = [g.numpy() for part in trainer.last_gradients for g in part]
             err = max(float(np.max(np.abs(a - r))) for a, r in zip(grads, ref))
             mem = trainer.memory_report(allocator=cluster.allocator)
+            # The cost model beside the run: each stage timed alone on its worker, backward working
+            # sets from the workers' allocators; the 2 cores are shared by every worker (parallel=1).
+            shared = calibrate.predict(trainer, parallel=1, probes=[cluster.probe(i) for i in range(workers)])
+            alone = calibrate.predict(trainer, costs=shared.costs)
             report["runs"][name] = {
+                "predicted_s": alone.step_time, "predicted_shared_s": shared.step_time,
+                "predicted_bubble": shared.bubble, "predicted_peak": list(shared.total_peak_bytes),
+                "predicted_ledger_peak": list(shared.peak_bytes),
+                "ledger_peak": [r["peak_total"] for r in mem],
                 "loss": loss, "ref_loss": float(ref_loss), "grad_err": err, "seconds": seconds,
                 "seconds_min": min(times), "seconds_max": max(times),
                 "pack_bytes": trainer.pack_bytes,
@@ -276,11 +290,12 @@ def demo(workers: int, microbatches: int, seq: int, d_model: int, mb_size: int, 
 
 
 def keras_demo(workers: int, microbatches: int, mb_size: int, d_model: int, blocks: int,
-               schedule: str = "1f1b", steps: int = 2) -> dict:
+               schedule: str = "1f1b", steps: int = 2, checks: int = 5) -> dict:
     """A plain-Keras GPT handed to `terra.pipeline.pipeline` on local workers (profiled on worker
     0, its allocator measuring temporaries): the plan's predicted per-worker peak bytes and part
     times beside the workers' allocator peaks, the executor's ledger and the parts' measured
-    times."""
+    times (per part the median of ``checks`` runs of `ModelPipeline.check`, with their range:
+    on a busy machine a part's time moves by tens of percent from run to run)."""
     import numpy as np
     import keras
     import terra.pipeline as tp
@@ -301,7 +316,14 @@ def keras_demo(workers: int, microbatches: int, mb_size: int, d_model: int, bloc
         base = [cluster.allocator(i)["current"] for i in range(workers)]
         losses.append(trainer.step(x, y))
         mem = trainer.memory_report(allocator=cluster.allocator)
-        checks = trainer.check()
+        runs = [trainer.check() for _ in range(checks)]   # part times vary run to run: medians
+        checks = [dict(rows[0], **{key: float(np.median([r[key] for r in rows])) for key in ("forward_s", "backward_s")},
+                       fb_spread=[min(r["forward_s"] + r["backward_s"] for r in rows),
+                                  max(r["forward_s"] + r["backward_s"] for r in rows)])
+                  for rows in zip(*runs)]
+        for row in checks:
+            for key in ("forward_s", "backward_s"):
+                row[key + "_error"] = (row[key + "_predicted"] - row[key]) / row[key]
         plan = trainer.plan
         report = {"workers": workers, "schedule": schedule, "losses": losses, "plan": str(plan),
                   "ranks": []}
@@ -312,6 +334,13 @@ def keras_demo(workers: int, microbatches: int, mb_size: int, d_model: int, bloc
                 "predicted_peak": predicted, "allocator_peak": peak, "allocator_base": base[r],
                 "peak_error": (predicted - peak) / peak})
         report["parts"] = [{k: v for k, v in row.items() if not k.startswith("rank_peak")} for row in checks]
+        # What the planner balances is each part's share of the step; a machine that runs slower
+        # now than while profiling moves every part alike and leaves the shares as they were.
+        predicted = [p["forward_s_predicted"] + p["backward_s_predicted"] for p in report["parts"]]
+        measured = [p["forward_s"] + p["backward_s"] for p in report["parts"]]
+        for part, a, b in zip(report["parts"], predicted, measured):
+            part["fb_error"] = (a - b) / b
+            part["share_error"] = (a / sum(predicted) - b / sum(measured)) / (b / sum(measured))
         trainer.close()
     return report
 
