@@ -376,6 +376,7 @@ class SplitBackward:
     pull its ops in again)."""
     num_saved: int
     recomputed: int
+    saved_bytes: int     # what ``input_grads`` hands ``weight_grads``, per call (static shapes)
     _input: object
     _weight: object
     _input_outputs: tuple
@@ -445,7 +446,8 @@ def split_backward(pair: ForwardBackwardPair, input_positions, weight_positions)
     names = {op.name for op in first if op not in placeholders and op.type != "Const"}
     reached = _ancestor_ops(weight_fn.graph.outputs)
     recomputed = sum(1 for op in reached if op.name in names and op.type not in ("Placeholder", "Const"))
-    return SplitBackward(len(saved), recomputed, input_fn, weight_fn, inputs_out, weights_out)
+    saved_bytes = sum(int(t.shape.num_elements() or 0) * t.dtype.size for t in saved)
+    return SplitBackward(len(saved), recomputed, saved_bytes, input_fn, weight_fn, inputs_out, weights_out)
 
 
 # ---- zero-line adoption: `terra.enable()` (terra/tracing/hook.py) ------------------------------

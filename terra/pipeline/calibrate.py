@@ -118,6 +118,7 @@ def predict(trainer, repeats: int = 5, parallel: Optional[float] = None,
         stages = sch.stages_of(r)
         if stages:
             static[stages[0]] = entry["weights"] + entry["optimizer"] + entry["grads"]
-    result = simulate(sch, act_bytes=trainer.pack_bytes, weight_bytes=static, costs=costs)
+    result = simulate(sch, act_bytes=trainer.pack_bytes, weight_bytes=static, costs=costs,
+                      residual_bytes=trainer.residual_bytes)
     temps = tuple(stage_temps(trainer, probes)) if probes is not None else ()
     return Prediction(costs, result, temps)

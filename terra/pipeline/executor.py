@@ -397,6 +397,16 @@ class PipelineTrainer:
         self._built_for = (x_spec, y_spec)
 
     @property
+    def residual_bytes(self) -> list[int]:
+        """Bytes a split B leaves for its W per micro-batch, per global stage (0 for a schedule
+        that does not split backwards)."""
+        if self._built_for is None:
+            raise RuntimeError("residual sizes are known after the first step")
+        if not self.schedule.split:
+            return [0] * len(self.replicas)
+        return [sum(part.program.residual_bytes for part in row) for row in self.replicas]
+
+    @property
     def pack_bytes(self) -> list[int]:
         """Bytes one micro-batch's pack occupies (moved bases), per global stage."""
         if self._built_for is None:
@@ -484,6 +494,7 @@ class PipelineTrainer:
         if self._built_for != specs:
             self._build(*specs)
         state.seed = float(self._loss_scaler.scale_loss(state.seed))
+        state.residual_bytes = self.residual_bytes   # builds split backwards here, not in rank threads
         start = time.perf_counter()
         self._run_ranks(state, _StepState.run_rank)
         leftovers = state.mailbox.pending()
@@ -588,6 +599,7 @@ class _StepState:
         self.lock = threading.Lock()
         self.transfer_seconds = [0.0] * trainer.schedule.p
         self.link = [0, 0.0]         # bytes and seconds on the timed links between ranks
+        self.residual_bytes = None   # per stage, set by `PipelineTrainer.step` before the ranks run
         self.seed = 1.0 / (trainer.m * trainer.dp)  # the last stage's output gradient
 
     def guard(self, rank: int, body):
@@ -604,11 +616,12 @@ class _StepState:
         """A training step: every step of the rank's row, transfers included."""
         sch = self.t.schedule
         pack_bytes = self.t.pack_bytes
+        residual_bytes = self.residual_bytes
         for step in range(sch.steps):
             action = sch.compute[rank][step]
             transfers = sch.transfers[rank][step]
             start, end = memory_lib.step_deltas(rank, action, transfers, sch.stage_ranks,
-                                                pack_bytes, self.split)
+                                                pack_bytes, self.split, residual_bytes)
             self.t.ledger.apply(start)
             before = [a for a in transfers if a.kind is not EVICT or (a.stage, a.microbatch) in self.packs]
             after = [a for a in transfers if a not in before]

@@ -5,7 +5,8 @@ cross-device identity there shares the buffer). Per rank it counts weights (with
 gradient accumulators, the activation packs the rank holds for its own stages and the packs it
 accepted from its BPipe partner, with the schedule's semantics (`terra.pipeline.passes`): a pack
 is held from the start of its F step through the end of its B step (of its W step where the
-backward is split; the intermediate gradients B leaves for W are not counted); an EVICT in step
+backward is split; there what B leaves for W, the output gradient and the intermediate
+gradients, is held too, from the start of B through the end of W: ``residual``); an EVICT in step
 ``t`` is counted on the evictor through ``t`` and on the acceptor from ``t``; a LOAD in step ``t`` on the
 evictor from ``t`` and on the acceptor through ``t``. Each step therefore applies its "start"
 deltas, records peaks, then applies its "end" deltas. `schedule_ledger` replays a schedule without running anything; the executor
@@ -23,9 +24,9 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 
-from terra.pipeline.actions import EVICT, F, LOAD, W
+from terra.pipeline.actions import B, EVICT, F, LOAD, W
 
-FIELDS = ("weights", "optimizer", "grads", "held", "accepted")
+FIELDS = ("weights", "optimizer", "grads", "held", "accepted", "residual")
 
 
 @dataclass(slots=True)
@@ -36,8 +37,10 @@ class RankMemory:
     grads: int = 0
     held: int = 0
     accepted: int = 0
+    residual: int = 0
     held_packs: int = 0
     accepted_packs: int = 0
+    residual_packs: int = 0
     peak_activation: int = 0
     peak_packs: int = 0
     peak_held_packs: int = 0
@@ -45,7 +48,7 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        return self.weights + self.optimizer + self.grads + self.held + self.accepted
+        return self.weights + self.optimizer + self.grads + self.held + self.accepted + self.residual
 
     def as_dict(self) -> dict:
         return dict(asdict(self), total=self.total)
@@ -97,16 +100,23 @@ class Ledger:
 
 
 def step_deltas(rank: int, compute, transfers, stage_rank, pack_bytes,
-                split=frozenset()) -> tuple[list, list]:
+                split=frozenset(), residual_bytes=None) -> tuple[list, list]:
     """(start, end) ledger deltas of one rank's schedule step (rules in the module docstring);
-    ``split``: the (stage, micro-batch) pairs whose pack lives until their W (`Schedule.split`)."""
+    ``split``: the (stage, micro-batch) pairs whose pack lives until their W (`Schedule.split`);
+    ``residual_bytes[stage]``: what such a B leaves for its W (None: not counted)."""
     start, end = [], []
     if compute is not None:
         n = pack_bytes[compute.stage]
+        r = residual_bytes[compute.stage] if residual_bytes is not None else 0
+        split_b = (compute.stage, compute.microbatch) in split
         if compute.kind is F:
             start.append((rank, "held", n, 1))
-        elif compute.kind is W or (compute.stage, compute.microbatch) not in split:
+        elif compute.kind is W or not split_b:
             end.append((rank, "held", -n, -1))
+        if compute.kind is B and split_b and r:
+            start.append((rank, "residual", r, 1))
+        elif compute.kind is W and r:
+            end.append((rank, "residual", -r, -1))
     for a in transfers:
         if a.kind not in (EVICT, LOAD):
             continue
@@ -122,10 +132,11 @@ def step_deltas(rank: int, compute, transfers, stage_rank, pack_bytes,
     return start, end
 
 
-def schedule_ledger(schedule, pack_bytes: Sequence[int], static: Optional[Sequence[dict]] = None):
+def schedule_ledger(schedule, pack_bytes: Sequence[int], static: Optional[Sequence[dict]] = None,
+                    residual_bytes: Optional[Sequence[int]] = None):
     """Replay ``schedule`` step by step (all ranks' deltas of a step together); returns the
     `Ledger`. ``pack_bytes[stage]`` is one micro-batch's pack size; ``static[rank]`` may give
-    weights/optimizer/grads bytes."""
+    weights/optimizer/grads bytes; ``residual_bytes[stage]`` what a split B leaves for its W."""
     ledger = Ledger(schedule.p)
     split = schedule.split
     for rank, values in enumerate(static or []):
@@ -134,7 +145,7 @@ def schedule_ledger(schedule, pack_bytes: Sequence[int], static: Optional[Sequen
         start, end = [], []
         for rank in range(schedule.p):
             a, b = step_deltas(rank, schedule.compute[rank][t], schedule.transfers[rank][t],
-                               schedule.stage_ranks, pack_bytes, split)
+                               schedule.stage_ranks, pack_bytes, split, residual_bytes)
             start += a
             end += b
         ledger.apply(start)

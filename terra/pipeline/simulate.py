@@ -266,26 +266,33 @@ def _arrival(costs: Costs, table, schedule: Schedule, dep: Action, action: Actio
 
 
 def simulate(schedule: Schedule, act_bytes: Bytes = None, weight_bytes: Bytes = None,
-             costs: Optional[Costs] = None) -> SimResult:
+             costs: Optional[Costs] = None, residual_bytes: Bytes = None) -> SimResult:
     """Simulate memory and time of ``schedule``. ``act_bytes`` / ``weight_bytes``: bytes of one
     stage's activations for one micro-batch / of one stage's weights, as an int (all stages) or
-    a per-stage sequence or mapping. ``costs``: a `Costs` (default: F = B = W = 1, no transfer
-    time)."""
+    a per-stage sequence or mapping. ``residual_bytes``: what a split B leaves for its W (the
+    output and intermediate gradients), held on the rank from B's step through W's. ``costs``: a
+    `Costs` (default: F = B = W = 1, no transfer time)."""
     if not isinstance(schedule, Schedule):
         raise TypeError(f"expected a Schedule, got {type(schedule).__name__}")
     violations = tuple(problems(schedule))
     p, T = schedule.p, schedule.steps
     acts = _per_stage(act_bytes, schedule.num_stages, "act_bytes")
     weights = _per_stage(weight_bytes, schedule.num_stages, "weight_bytes")
-    if weights is not None and acts is None:
+    residuals = _per_stage(residual_bytes, schedule.num_stages, "residual_bytes")
+    if (weights is not None or residuals is not None) and acts is None:
         acts = [0] * schedule.num_stages
 
     f_at, b_at = {}, {}   # b_at: the last step that reads the activations (B, or W if split)
+    split_b, w_at = {}, {}  # a split B's step and its W's
     for r, t, a in schedule.actions():
         if a.kind is F:
             f_at[(a.stage, a.microbatch)] = (r, t)
         elif a.kind is W or (a.kind is B and (a.stage, a.microbatch) not in b_at):
             b_at[(a.stage, a.microbatch)] = (r, t)
+        if a.kind is B and (a.stage, a.microbatch) in schedule.split:
+            split_b[(a.stage, a.microbatch)] = (r, t)
+        elif a.kind is W:
+            w_at[(a.stage, a.microbatch)] = t
     # away[(stage, mb)] = list of (evict step, load step, evictor, acceptor)
     away: dict[tuple[int, int], list] = {}
     open_evictions: dict[tuple[int, int], tuple[int, int, Optional[int]]] = {}
@@ -325,6 +332,10 @@ def simulate(schedule: Schedule, act_bytes: Bytes = None, weight_bytes: Bytes = 
                 accepted[peer][t] += 1
                 if mem is not None:
                     mem[peer][t] += acts[key[0]]
+    if mem is not None and residuals is not None:
+        for key, (r, b) in split_b.items():
+            for t in range(b, w_at.get(key, T - 1) + 1):
+                mem[r][t] += residuals[key[0]]
     if mem is not None and weights is not None:
         for s, r in enumerate(schedule.stage_ranks):
             for t in range(T):

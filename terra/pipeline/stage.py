@@ -240,6 +240,13 @@ class StageProgram:
             grads.append(g)
         return grads, captures
 
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes B leaves for W per micro-batch: the output gradient and the intermediate
+        gradients the weight half starts from."""
+        grads = sum(int(s.shape.num_elements() or 0) * s.dtype.size for s in self._grad_specs)
+        return grads + self.split.saved_bytes
+
     def backward_input(self, pack: Pack, output_grad):
         """B: the input gradient (or None) and the residual that `backward_weight` needs (the
         output gradient and the intermediate gradients B computed on the way). The pack stays

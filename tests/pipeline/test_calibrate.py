@@ -27,9 +27,12 @@ def test_predicted_peaks_equal_the_ledger_and_costs_are_measured(schedule, balan
         trainer.ledger.reset_peaks()
         trainer.step(x, y)
         pred = calibrate.predict(trainer, repeats=1)
+        residuals = trainer.residual_bytes
     finally:
         trainer.close()
     assert list(pred.peak_bytes) == [r["peak_total"] for r in trainer.memory_report()]
+    # ZB-H1's ledger and prediction hold what each split B leaves for its W; 1F1B holds none.
+    assert (min(residuals) > 0) == (schedule == "zb-h1")
     costs = pred.costs
     assert all(t > 0 for t in costs.F) and all(t > 0 for t in costs.B)
     if schedule == "zb-h1":

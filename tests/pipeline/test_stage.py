@@ -188,3 +188,16 @@ def test_a_stage_takes_and_returns_a_nested_structure():
     np.testing.assert_allclose(out["h"].numpy(), ref["h"].numpy(), atol=1e-6)
     assert gx["mask"] is None and gx_split["mask"] is None
     assert max_err([gx["h"], gw, gx_split["h"], gw_split], [r_h, r_w, r_h, r_w]) < 1e-6
+
+
+def test_residual_bytes_are_what_the_input_half_hands_the_weight_half():
+    w1, w2 = tf.Variable(tf.ones((4, 8))), tf.Variable(tf.ones((8, 2)))
+
+    def f(x):
+        return tf.tanh(tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2))
+
+    prog = st.StageProgram(f, [w1, w2], tf.TensorSpec((3, 4)))
+    out, pack = prog.forward(tf.random.normal((3, 4), seed=2))
+    gx, (grads_in, saved) = prog.backward_input(pack, tf.ones_like(out))
+    held = sum(int(np.prod(t.shape)) * t.dtype.size for t in list(grads_in) + list(saved))
+    assert saved and prog.residual_bytes == held
