@@ -173,6 +173,13 @@ def test_place_updates_with_variables_runs_each_update_on_its_variables_device()
         # Adam takes two square roots per variable: with b's on CPU:1 once patched.
         # Unpatched they carry no device: they run wherever the apply call runs.
         assert sqrt_devices == (sorted(names * 2) if patch else [""] * 4), sqrt_devices
+        # Every op reading a gradient runs on its variable's device once patched; unpatched,
+        # Keras' all-reduce (an identity per gradient outside a strategy) reads them wherever
+        # the call runs, which copies every gradient there.
+        grads = {t.name: name for t, name in zip(graph.inputs[:2], names)}
+        readers = [(op.device.rsplit("/", 1)[-1], grads[t.name]) for op in graph.get_operations()
+                   for t in op.inputs if t.name in grads]
+        assert readers and all(dev == want for dev, want in readers) == patch, readers
         values.append((a.numpy(), b.numpy()))
     np.testing.assert_array_equal(values[0][0], values[1][0])
     np.testing.assert_array_equal(values[0][1], values[1][1])
