@@ -56,6 +56,9 @@ CONSTANT_VALUE_ATTR = "constant_value"
 # Resource variables: `handle` is the property every read/assign passes to the gen ops; patching
 # it lets the recorder map a handle tensor back to its variable object.
 BaseResourceVariable = _rv.BaseResourceVariable
+# `tf.Variable(...)` in eager builds its state here (the hook notes each new variable's role)
+ResourceVariable = _rv.ResourceVariable
+VARIABLE_INIT_ATTR = "_init_from_args"
 
 # Op definitions by name (None for functions), for argument layout and attr inference.
 get_op_def = _op_def_registry.get

@@ -109,6 +109,27 @@ def test_a_concrete_function_runs_over_other_captured_variables():
         tfp.ReboundFunction(cf, [b.handle, a.handle])
 
 
+def test_every_eager_variable_is_initialized_through_the_patched_method():
+    """roles.py files each variable where `ResourceVariable._init_from_args` (the hook wraps it)
+    builds it: `tf.Variable` and Keras' variables (and their optimizer slots) pass through it."""
+    import keras
+    from terra.tracing import hook
+    assert callable(tfp.ResourceVariable.__dict__[tfp.VARIABLE_INIT_ATTR])
+    seen = []
+    hook.install()
+    hook.on_variable(seen.append)
+    try:
+        v = tf.Variable(1.0)
+        m = keras.metrics.Mean()
+        k = keras.Variable(tf.zeros((2,)))
+    finally:
+        hook.on_variable(None)
+        hook.uninstall()
+    assert seen[0] is v
+    made = {id(x) for x in seen}
+    assert all(id(x.value) in made for x in m.variables) and id(k.value) in made
+
+
 def test_cancellation_manager_ends_blocked_dequeue_without_global_context():
     q = tf.queue.FIFOQueue(10, tf.float32, shapes=[])
 

@@ -29,6 +29,7 @@ class Counters:
     fallbacks: int = 0
     graph_builds: int = 0
     graph_reuses: int = 0      # paths that run another path's graph over their own variables
+    role_renames: int = 0      # of those, predicted over variables made anew (roles.py)
     path_switches: int = 0
     case_switches: int = 0
     held_iterations: int = 0   # compiled iterations whose run waited until their path was certain

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 import threading
 import warnings
 
@@ -36,7 +37,7 @@ from terra.runtime import units as unit_rules
 from terra.runtime import explain
 from terra.runtime.builds import Builds
 from terra.runtime.explain import Counters, Event, EventKind
-from terra.runtime.fallback import EagerReplay
+from terra.runtime.fallback import EagerReplay, Snapshot, written_variables
 from terra.runtime.held import held_refs
 from terra.runtime.interrupts import held_interrupts
 from terra.runtime.iteration import Iteration, with_location
@@ -45,11 +46,12 @@ from terra.runtime.path_graph import ConfiguredRunner
 from terra.runtime.divergence import Divergence, user_line
 from terra.runtime.path_view import PathView
 from terra.runtime.python_runner import PythonRunner
+from terra.runtime.roles import VariableRoles
 from terra.runtime.executable import PathRun
 from terra.runtime.site_graph import SiteRun
 from terra.runtime.sites import (KNOWN_FALLBACK_GAP, KNOWN_REUSE_GAP, Path, Site, generalize,
                                  path_signature, read_changed_spans, reads_feed_values,
-                                 uncompilable, units_for)
+                                 renamed_path, uncompilable, units_for)
 from terra.tracing import hook
 from terra.tracing.recorder import ContinuingRecorder
 from terra.tracing.locations import caller_step_try
@@ -82,6 +84,7 @@ class Session:
         self.deferred_error = None       # an earlier iteration's error, raised at a sync point
         self._tape_functions: dict = {}   # forward function name -> TapeRecordedFunction
         self._function_ops: dict = {}     # function name -> op types in its body
+        self.roles = VariableRoles()      # where each variable was made (roles.py)
         self.builds = Builds(sites=self.sites, counters=self.counters, graphs=self._graphs,
                              event=self._event, internal=self.internal, go_eager=self._go_eager)
 
@@ -173,6 +176,7 @@ class Session:
             hook.install()
             self._installed = True
             hook.route_units(unit_rules.router(self))
+            hook.on_variable(self.roles.created)
 
     # ---------------------------------------------------------------- pipelined iterations
     def collect_pending(self, convert: bool = True) -> None:
@@ -297,6 +301,7 @@ class Session:
             return
         path = self._predict(site)
         if path is not None:
+            path = self._by_role(site, path, it.number)
             site.phase = "coexecution"
             it.mode = "skip"
             it.path = path
@@ -334,6 +339,43 @@ class Session:
             if p.graph is not None and not p.stale:
                 return p
         return None
+
+    def _by_role(self, site, path, number):
+        """`path`, or, where the program has made its variables anew since (a metric made every
+        epoch: roles.py), `path` over the new ones running the same graph. Checked only when
+        variables were made since `path` was last checked."""
+        if path.roles_seen == self.roles.seq:
+            return path
+        path.roles_seen = self.roles.seq
+        with self.internal():
+            new = self.roles.superseding(path.trace.variables)
+            if not new:
+                return path
+            q = renamed_path(path, new, id=site.new_path_id())
+            known = site.paths.get(q.signature)
+            if known is not None:
+                return known if known.graph is not None and not known.stale else path
+            q.roles_seen = self.roles.seq
+            t = time.perf_counter()
+            if path.graph is None or self.builds.reuse(site, q) is None:
+                return path
+            q.view = PathView(q.trace, q.usable_units(), site.key, site.caller_step_try)
+            q.snapshot = Snapshot.of(written_variables(q.trace))
+            q.built_for = q.build_key()
+        site.paths[q.signature] = q
+        if path.by_role:
+            # the path two generations back: its variables are no longer the program's (the
+            # previous generation stays, for a program that still uses it); filed, it would
+            # keep them alive (one path per epoch)
+            if path.parent is not None:
+                site.paths.pop(path.parent.signature, None)
+            path.parent, q.parent = None, path
+        self.counters.graph_reuses += 1
+        self.counters.role_renames += 1
+        self._event("graph_reuse", site, number, f"path p{q.id} is p{path.id} over "
+                    f"{len(new)} variable(s) made anew in the same place: predicted on the graph "
+                    f"of p{path.id} before the iteration, {time.perf_counter() - t:.3f} s")
+        return q
 
     def tape_exit(self, tape, exc_type) -> None:
         it = self.iteration
@@ -375,7 +417,7 @@ class Session:
                     sig = path_signature(g, units)
                     path = site.paths.get(sig)
                     if path is None:
-                        path = Path(sig, trace, units, id=len(site.paths), count=other.count,
+                        path = Path(sig, trace, units, id=site.new_path_id(), count=other.count,
                                     liveouts=set(other.liveouts),
                                     fetch_points=dict(other.fetch_points),
                                     outside_reads=set(other.outside_reads))
@@ -385,8 +427,12 @@ class Session:
                     break
         new = path is None
         if new:
-            path = Path(sig, trace, units, id=len(site.paths))
+            path = Path(sig, trace, units, id=site.new_path_id())
             site.paths[sig] = path
+        elif path.by_role:
+            # predicted over new variables, now traced: its units' guards are this trace's (a
+            # unit guarded on an object made anew with the variables, such as a task's optimizer)
+            path.units, path.by_role, path.view = units, False, None
         path.absorb(trace, live, trace.fetches, site.seen_objects)
         for v in trace.feed_values:  # tensors seen as feeds: a unit may rely on TF's cached ones
             if isinstance(v, tfp.EagerTensorBase) and v.shape.num_elements() <= 64:
@@ -512,6 +558,7 @@ class Session:
             self.runner.cancel(timeout=CONFIG.timeout_s)
         self.builds.builder.shutdown()
         if self._installed:
+            hook.on_variable(None)
             hook.uninstall()
             self._installed = False
         self.__init__()

@@ -165,6 +165,40 @@ def variable_renaming(base: Trace, new: Trace) -> dict | None:
     return renaming
 
 
+def renamed_path(path: Path, new_variables: dict, id: int) -> Path:
+    """`path` over other variable objects (`new_variables`: old key -> variable of the same dtype
+    and shape, `VariableRoles.superseding`): the same records, units and fetches, with every
+    reference to a renamed variable pointing at the new one. It has no graph of its own yet
+    (`Builds.reuse` binds the old path's)."""
+    keys = {k: id_of_handle(v) for k, v in new_variables.items()}
+
+    def ren(x):
+        if isinstance(x, VariableRef):
+            return VariableRef(keys[x.key]) if x.key in keys else x
+        if isinstance(x, tuple) and x:
+            y = tuple(ren(e) for e in x)
+            return x if all(a is b for a, b in zip(x, y)) else y
+        return x
+
+    t = path.trace
+    records = [r if (i := ren(r.inputs)) is r.inputs else replace(r, inputs=i) for r in t.records]
+    variables = {k: v for k, v in t.variables.items() if k not in keys}
+    variables.update((keys[k], v) for k, v in new_variables.items())
+    trace = Trace(t.site, records, list(t.feeds), list(t.feed_values), list(t.fetches), variables,
+                  list(t.unsupported), dict(t.functions), list(t.unseeded_random),
+                  list(t.fast_fallbacks))
+    units = {s: replace(u, guard=ren(u.guard), result=ren(u.result), reads=ren(u.reads))
+             for s, u in path.units.items()}
+    return Path(path_signature(trace, units), trace, units, id=id, count=path.count,
+                liveouts=set(path.liveouts), fetch_points=dict(path.fetch_points),
+                outside_reads=set(path.outside_reads), verified=set(path.verified), by_role=True)
+
+
+def id_of_handle(variable) -> int:
+    """A variable's key in `Trace.variables` (the identity of its resource handle)."""
+    return id(variable.handle)
+
+
 def read_changed_spans(units: dict, other_units: dict) -> list:
     """Record spans of the units whose Python read values that differ between two traces of a
     path (or that only one trace has): `generalize` keeps their constants, which may be made
@@ -232,6 +266,9 @@ class Path:
     group: object = None     # the ShapeGroup whose graph it runs (shape_groups.py)
     group_values: dict = field(default_factory=dict)  # its shape constants: slot -> value
     group_tensors: tuple = ()   # the same, as tensors in the order of its graph's bundle
+    roles_seen: int = -1     # `VariableRoles.seq` when its variables were last checked for newer
+    by_role: bool = False    # made by `renamed_path` (dropped once its variables are made anew)
+    parent: "Path | None" = None  # the path by role it was renamed from
 
     @functools.cached_property
     def static(self) -> StaticValues:
@@ -337,6 +374,11 @@ class Site:
     last_path: Path | None = None
     prev_path: Path | None = None         # the path the previous iteration ended on
     successors: dict = field(default_factory=dict)  # path id -> {next path id: count}
+    path_ids: int = 0                     # ids handed out (paths over old objects may be dropped)
+
+    def new_path_id(self) -> int:
+        self.path_ids += 1
+        return self.path_ids - 1
 
     def note_path(self, path) -> None:
         """The iteration that just ended ran `path`: count it as the previous one's successor."""

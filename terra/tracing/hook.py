@@ -229,6 +229,29 @@ FETCH_METHODS = {"numpy": "numpy", "__array__": "array", "__bool__": "bool", "__
                  "__format__": "format", "__str__": "str"}
 
 
+# ------------------------------------------------------------------------- variable creation
+# Every eager `tf.Variable` made while the hook is installed is handed to the listener the runtime
+# sets (`on_variable`): it files the variable's role (where the program made it), so a path can
+# be predicted over a metric or model made anew (runtime/roles.py).
+_variable_listener: "Callable | None" = None
+
+
+def on_variable(listener: "Callable | None") -> None:
+    """`listener(variable)` receives every new eager resource variable from now on (None: none)."""
+    global _variable_listener
+    _variable_listener = listener
+
+
+def _wrap_variable_init(orig):
+    def _init_from_args(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        listener = _variable_listener
+        if listener is not None and not _busy:
+            listener(self)
+    _init_from_args.__wrapped__ = orig
+    return _init_from_args
+
+
 # ------------------------------------------------------------------------- coarse-unit patches
 # `optimizer.apply_gradients`, Keras layer calls and eager `tf.function` calls are matched as one
 # guarded unit each. The patched methods hand the call to the unit router the runtime sets
@@ -285,7 +308,8 @@ def _patch_table():
              (tfp.AtomicFunction, "call_flat", _wrap_call_flat),
              (tfp.constant_op_module, tfp.CONVERT_ATTR, _wrap_convert),
              (tfp.tensor_util_module, tfp.CONSTANT_VALUE_ATTR, _wrap_constant_value),
-             (tfp.BaseResourceVariable, "handle", _wrap_handle)]
+             (tfp.BaseResourceVariable, "handle", _wrap_handle),
+             (tfp.ResourceVariable, tfp.VARIABLE_INIT_ATTR, _wrap_variable_init)]
     table += [(tfp.EagerTensorBase, m, _wrap_fetch(how)) for m, how in FETCH_METHODS.items()]
     return table + _unit_table()
 

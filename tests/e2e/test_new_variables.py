@@ -20,7 +20,7 @@ from tests.counting import CompileCounter  # noqa: E402
 pytestmark = pytest.mark.usefixtures("fresh_terra")
 
 
-def _epochs(Tape, epochs=5, steps=8):
+def _epochs(Tape, epochs=5, steps=8, alternate=False):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
                               keras.layers.Dense(3)])
@@ -31,8 +31,12 @@ def _epochs(Tape, epochs=5, steps=8):
     ys = rng.integers(0, 3, (epochs * steps, 16))
     out = []
     for epoch in range(epochs):
-        avg = keras.metrics.Mean()
-        acc = keras.metrics.SparseCategoricalAccuracy()
+        if alternate and epoch % 2:  # made in two places in turn: two roles (roles.py)
+            avg = keras.metrics.Mean()
+            acc = keras.metrics.SparseCategoricalAccuracy()
+        else:
+            avg = keras.metrics.Mean()
+            acc = keras.metrics.SparseCategoricalAccuracy()
         for b in range(steps):
             x, y = tf.constant(xs[epoch * steps + b]), tf.constant(ys[epoch * steps + b])
             with Tape() as tape:
@@ -53,11 +57,12 @@ def test_metrics_made_every_epoch_reuse_the_graph_and_equal_eager():
     for a, b in zip(eager_w, terra_w):
         np.testing.assert_array_equal(b, a)
     # epoch 1: two traces, one build; epoch 2's first step reaches the metric update on the
-    # graph and falls back (new variables), its path is built (its fetches differ from epoch
-    # 1's); every later epoch: one fallback, and its path runs epoch 2's graph. No restart on
-    # an older epoch's path (their variables are not the program's).
-    c.assert_counts(traces=7, graph_builds=2, graph_reuses=3, fallbacks=4, path_switches=0)
-    assert "runs the graph of p2 over its own variables" in terra.explain()
+    # graph and falls back (new variables, made before Terra filed roles), its path is built
+    # (its fetches differ from epoch 1's); every later epoch starts on epoch 2's graph over its
+    # own metrics' variables (made in the same place: roles.py): no fallback, no trace.
+    c.assert_counts(traces=4, graph_builds=2, graph_reuses=3, role_renames=3, fallbacks=1,
+                    path_switches=0)
+    assert "path p3 is p2 over 4 variable(s) made anew in the same place" in terra.explain()
 
 
 def test_a_new_model_per_task_runs_the_first_tasks_graph():
@@ -86,8 +91,12 @@ def test_a_new_model_per_task_runs_the_first_tasks_graph():
         got = program(tf.TerraGradientTape)
     assert got == eager, terra.explain()
     # per task: its first step makes the Adam slots (not compilable) and its second falls back
-    # at its first op (new weights); from then on its path runs task 0's graph
-    c.assert_counts(traces=9, graph_builds=1, graph_reuses=3, fallbacks=6, path_switches=0)
+    # (new weights); from then on its path runs task 0's graph. Predicting a task's steps over
+    # its new variables (roles.py) saves nothing here: the first step makes slots, and the
+    # second runs a new optimizer, which `apply_gradients`' guard names by identity. Task 2's
+    # second step is built once (a fallback inside the update left it other fetches).
+    c.assert_counts(traces=9, graph_builds=2, graph_reuses=6, role_renames=5, fallbacks=6,
+                    path_switches=0)
 
 
 def _trace(var_keys, variables, shape=(2,)):
@@ -140,20 +149,23 @@ def test_a_new_data_iterator_and_metric_every_epoch_reuse_the_graph():
     assert terra_out == eager_out
     for a, b in zip(eager_w, terra_w):
         np.testing.assert_array_equal(b, a)
-    # epoch 1: a path built; epoch 2: a path of new fetches built; epochs 3 and 4 run epoch 2's
-    # graph (their iterators differ too, but no graph op takes an iterator)
-    c.assert_counts(traces=6, graph_builds=2, graph_reuses=2, fallbacks=3, path_switches=0)
+    # epoch 1: a path built; epoch 2: a path of new fetches built; epochs 3 and 4 start on
+    # epoch 2's graph over their own metric (their iterators differ too, but no graph op takes
+    # an iterator): no fallback
+    c.assert_counts(traces=4, graph_builds=2, graph_reuses=2, role_renames=2, fallbacks=1,
+                    path_switches=0)
 
 
 def test_epochs_of_new_metrics_do_not_exhaust_max_fallbacks():
-    """Each epoch's first step falls back (new variables) and its path runs the graph of an
-    earlier one: a bounded cost per epoch, not held against max_fallbacks (KNOWN_REUSE_GAP), so
-    the site stays compiled however many epochs run."""
+    """Each epoch's first step falls back (new variables, made in turn in two places, so that
+    no epoch's metrics are predicted from the previous epoch's: roles.py) and its path runs
+    the graph of an earlier one: a bounded cost per epoch, not held against max_fallbacks
+    (KNOWN_REUSE_GAP), so the site stays compiled however many epochs run."""
     old = terra.config(max_fallbacks=2)
     try:
-        eager = _epochs(tf.GradientTape, epochs=7, steps=6)
+        eager = _epochs(tf.GradientTape, epochs=7, steps=6, alternate=True)
         with CompileCounter() as c:
-            got = _epochs(tf.TerraGradientTape, epochs=7, steps=6)
+            got = _epochs(tf.TerraGradientTape, epochs=7, steps=6, alternate=True)
     finally:
         terra.config(**old)
     assert got[0] == eager[0]
@@ -161,3 +173,74 @@ def test_epochs_of_new_metrics_do_not_exhaust_max_fallbacks():
         np.testing.assert_array_equal(b, a)
     assert "site stays eager" not in terra.explain(), terra.explain()
     c.assert_counts(traces=9, graph_builds=2, graph_reuses=5, fallbacks=6, path_switches=0)
+
+
+def _a_first_tape(Tape):
+    with Tape():  # a site of its own, in a frame that returns
+        tf.constant(0.0)
+
+
+def _metric_kept_an_epoch_longer(Tape, epochs=6, steps=5):
+    """A new Mean every epoch, but each one is used for two epochs: the epoch after one is made
+    still updates the previous one (a prediction by role is wrong there)."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    w = tf.Variable(rng.normal(size=(4, 1)).astype("float32"))
+    opt = keras.optimizers.SGD(0.05)
+    _a_first_tape(Tape)  # Terra files roles from here on (roles.py)
+    made, out = [], []
+    for epoch in range(epochs):
+        made.append(keras.metrics.Mean())
+        avg = made[epoch - epoch % 2]
+        for _ in range(steps):
+            x = tf.constant(rng.normal(size=(8, 4)).astype("float32"))
+            with Tape() as tape:
+                loss = tf.reduce_mean(tf.matmul(x, w) ** 2)
+            opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+            avg.update_state(loss)
+        out.append(float(avg.result()))
+    return out, [w.numpy()] + [m.result().numpy() for m in made]
+
+
+def test_a_metric_made_anew_but_not_used_yet_switches_back():
+    eager = _metric_kept_an_epoch_longer(tf.GradientTape)
+    with CompileCounter() as c:
+        got = _metric_kept_an_epoch_longer(tf.TerraGradientTape)
+    assert got[0] == eager[0]
+    for a, b in zip(eager[1], got[1]):
+        np.testing.assert_array_equal(b, a)
+    # one trace at the first site; epoch 0 compiles (2 traces, 1 build); each of the 5 later
+    # epochs starts on the last path over the newest Mean. On odd epochs that is wrong (the
+    # previous Mean is still the one updated): the run diverges at the update and switches back
+    # to the path over the previous Mean (a restart, no fallback). On even epochs it is right.
+    c.assert_counts(traces=4, graph_builds=1, role_renames=5, fallbacks=0, path_switches=3)
+
+
+def test_roles_match_variables_made_anew_in_the_same_place():
+    from terra.runtime.roles import VariableRoles
+    roles = VariableRoles()
+
+    def make(n, shape=(2,)):
+        vs = []
+        for _ in range(n):  # one place for all n: one role
+            v = tf.Variable(tf.zeros(shape))
+            roles.created_at(v, ("here",))
+            vs.append(v)
+        return vs
+
+    def keyed(vs):
+        return {id(v.handle): v for v in vs}
+
+    old = make(3)
+    assert roles.superseding(keyed(old)) == {}           # made together: not made anew
+    new = make(3)
+    assert roles.superseding(keyed(old)) == {id(o.handle): n for o, n in zip(old, new)}
+    assert roles.superseding(keyed(new)) == {}
+    assert roles.superseding(keyed(old[:2])) == {id(o.handle): n for o, n in zip(old, new[1:])}
+    more = make(2)
+    assert roles.superseding(keyed(new)) == {}           # fewer new than old: left as it is
+    wide = make(3, shape=(3,))
+    assert roles.superseding(keyed(more)) == {}          # another shape: left as it is
+    del wide
+    unfiled = tf.Variable(tf.zeros((2,)))
+    assert roles.superseding(keyed([unfiled])) == {}
