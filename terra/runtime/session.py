@@ -557,6 +557,7 @@ class Session:
         with self.internal():
             self.runner.cancel(timeout=CONFIG.timeout_s)
         self.builds.builder.shutdown()
+        Snapshot.forget_templates()
         if self._installed:
             hook.on_variable(None)
             hook.uninstall()
