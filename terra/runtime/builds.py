@@ -21,7 +21,8 @@ from terra.runtime.path_graph import PathGraph, skip_fetch_points
 from terra.runtime.path_view import PathView
 from terra.runtime.shape_groups import Relaxed, ShapeGroup, member_values, relax
 from terra.runtime.site_graph import SiteGraph
-from terra.runtime.sites import Path, reads_feed_values, uncompilable, variable_renaming
+from terra.runtime.sites import (Path, reads_feed_values, renamed_path, uncompilable,
+                                 variable_renaming)
 
 __all__ = ["Builds"]
 
@@ -63,6 +64,43 @@ class Builds:
                 return
             graph = PathGraph(path)
         self.install(site, path, graph, path.build_key(), number, time.perf_counter() - t)
+
+    def by_role(self, site, path, number, roles):
+        """`path`, or, where the program has made its variables anew since (a metric made every
+        epoch: roles.py), `path` over the new ones running the same graph. Checked only when
+        variables were made since `path` was last checked."""
+        if path.roles_seen == roles.seq:
+            return path
+        path.roles_seen = roles.seq
+        with self.internal():
+            new = roles.superseding(path.trace.variables)
+            if not new:
+                return path
+            q = renamed_path(path, new, id=site.new_path_id())
+            known = site.paths.get(q.signature)
+            if known is not None:
+                return known if known.graph is not None and not known.stale else path
+            q.roles_seen = roles.seq
+            t = time.perf_counter()
+            if path.graph is None or self.reuse(site, q) is None:
+                return path
+            q.view = PathView(q.trace, q.usable_units(), site.key, site.caller_step_try)
+            q.snapshot = Snapshot.of(written_variables(q.trace))
+            q.built_for = q.build_key()
+        site.paths[q.signature] = q
+        if path.by_role:
+            # the path two generations back: its variables are no longer the program's (the
+            # previous generation stays, for a program that still uses it); filed, it would
+            # keep them alive (one path per epoch)
+            if path.parent is not None:
+                site.paths.pop(path.parent.signature, None)
+            path.parent, q.parent = None, path
+        self.counters.graph_reuses += 1
+        self.counters.role_renames += 1
+        self.event("graph_reuse", site, number, f"path p{q.id} is p{path.id} over "
+                    f"{len(new)} variable(s) made anew in the same place: predicted on the graph "
+                    f"of p{path.id} before the iteration, {time.perf_counter() - t:.3f} s")
+        return q
 
     # ------------------------------------------------------------------ shape groups
     def join_group(self, site, path, number) -> str | None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import time
 import threading
 import warnings
 
@@ -37,7 +36,7 @@ from terra.runtime import units as unit_rules
 from terra.runtime import explain
 from terra.runtime.builds import Builds
 from terra.runtime.explain import Counters, Event, EventKind
-from terra.runtime.fallback import EagerReplay, Snapshot, written_variables
+from terra.runtime.fallback import EagerReplay, Snapshot
 from terra.runtime.held import held_refs
 from terra.runtime.interrupts import held_interrupts
 from terra.runtime.iteration import Iteration, with_location
@@ -51,7 +50,7 @@ from terra.runtime.executable import PathRun
 from terra.runtime.site_graph import SiteRun
 from terra.runtime.sites import (KNOWN_FALLBACK_GAP, KNOWN_REUSE_GAP, Path, Site, generalize,
                                  path_signature, read_changed_spans, reads_feed_values,
-                                 renamed_path, uncompilable, units_for)
+                                 uncompilable, units_for)
 from terra.tracing import hook
 from terra.tracing.recorder import ContinuingRecorder
 from terra.tracing.locations import caller_step_try
@@ -301,7 +300,7 @@ class Session:
             return
         path = self._predict(site)
         if path is not None:
-            path = self._by_role(site, path, it.number)
+            path = self.builds.by_role(site, path, it.number, self.roles)
             site.phase = "coexecution"
             it.mode = "skip"
             it.path = path
@@ -339,43 +338,6 @@ class Session:
             if p.graph is not None and not p.stale:
                 return p
         return None
-
-    def _by_role(self, site, path, number):
-        """`path`, or, where the program has made its variables anew since (a metric made every
-        epoch: roles.py), `path` over the new ones running the same graph. Checked only when
-        variables were made since `path` was last checked."""
-        if path.roles_seen == self.roles.seq:
-            return path
-        path.roles_seen = self.roles.seq
-        with self.internal():
-            new = self.roles.superseding(path.trace.variables)
-            if not new:
-                return path
-            q = renamed_path(path, new, id=site.new_path_id())
-            known = site.paths.get(q.signature)
-            if known is not None:
-                return known if known.graph is not None and not known.stale else path
-            q.roles_seen = self.roles.seq
-            t = time.perf_counter()
-            if path.graph is None or self.builds.reuse(site, q) is None:
-                return path
-            q.view = PathView(q.trace, q.usable_units(), site.key, site.caller_step_try)
-            q.snapshot = Snapshot.of(written_variables(q.trace))
-            q.built_for = q.build_key()
-        site.paths[q.signature] = q
-        if path.by_role:
-            # the path two generations back: its variables are no longer the program's (the
-            # previous generation stays, for a program that still uses it); filed, it would
-            # keep them alive (one path per epoch)
-            if path.parent is not None:
-                site.paths.pop(path.parent.signature, None)
-            path.parent, q.parent = None, path
-        self.counters.graph_reuses += 1
-        self.counters.role_renames += 1
-        self._event("graph_reuse", site, number, f"path p{q.id} is p{path.id} over "
-                    f"{len(new)} variable(s) made anew in the same place: predicted on the graph "
-                    f"of p{path.id} before the iteration, {time.perf_counter() - t:.3f} s")
-        return q
 
     def tape_exit(self, tape, exc_type) -> None:
         it = self.iteration
