@@ -9,7 +9,8 @@ graph computes exactly this op on exactly these inputs. A check that fails is a 
 session then falls back (terra/runtime/fallback.py).
 
 Coarse units: a whole `tape.gradient` call is matched as one unit (its target and sources must be
-the recorded ones) and its recorded backward ops are skipped without looking at them.
+the recorded ones) and its recorded backward ops are skipped without looking at them
+(terra/runtime/unit_skip.py).
 
 Placeholders are the runtime's `Placeholder` (terra/runtime/placeholders.py) with one change
 (`SkipPlaceholder`): while its iteration is being skipped, converting it to a tensor returns the
@@ -17,7 +18,7 @@ placeholder itself, so op wrappers hand it to the hook instead of fetching its v
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
@@ -26,9 +27,11 @@ from terra import _tf_private as tfp
 from terra.ir.op_kinds import HOST_OPS
 from terra.compiler.shapes import output_shapes
 from terra.ir.records import ConstRef, FeedRef, Fetch, OutputRef, TensorSpec, VariableRef
-from terra.runtime.divergence import PAST_END, Diverged, Divergence, user_line
+from terra.runtime.divergence import (GRAPH_ERROR, PAST_END, Diverged, Divergence,
+                                      DivergenceKind, user_line)
 from terra.runtime.path_view import PathView
 from terra.runtime.placeholders import Placeholder
+from terra.runtime.unit_skip import UNSET, UnitSkipping  # noqa: F401 - UNSET: re-exported
 from terra.tracing import hook
 from terra.tracing.recorder import frozen_value, is_python_value, freeze_attr
 
@@ -119,7 +122,7 @@ def _types_of(op_type):
 
 
 # ------------------------------------------------------------------------------------ the runner
-class PythonRunner(hook.Interceptor):
+class PythonRunner(UnitSkipping, hook.Interceptor):
     """Skip mode for one iteration on one path. `iteration` is the session's iteration object: it
     owns the feed/fetch channels, and `iteration.fallback(divergence)` ends skip mode."""
 
@@ -167,7 +170,7 @@ class PythonRunner(hook.Interceptor):
             return outs
         except Diverged as d:
             self._rollback(mark)
-            if d.divergence.reason != "graph error":
+            if d.divergence.kind is not DivergenceKind.GRAPH_ERROR:
                 tried = {id(self.iteration.path)}
                 pos = self.pos
                 # (a path whose op here is a variable read may be right when the op takes a
@@ -184,7 +187,8 @@ class PythonRunner(hook.Interceptor):
                     except Diverged as d2:
                         self._rollback(mark)
                         d = d2
-            if d.divergence.reason == PAST_END and not self.iteration.extended_elsewhere():
+            if d.divergence.kind is DivergenceKind.PAST_END and \
+                    not self.iteration.extended_elsewhere():
                 self.iteration.finish_past_end(d.divergence)
                 if route != "fast" and isinstance(inputs, list):
                     for i, v in enumerate(inputs):
@@ -203,8 +207,9 @@ class PythonRunner(hook.Interceptor):
             return recorder.op(op_type, inputs, attrs, route, run)
 
     # ------------------------------------------------------------------ matching
-    def _diverge(self, reason, expected, observed):
-        raise Diverged(Divergence(user_line(), str(expected), str(observed), self.pos, reason))
+    def _diverge(self, reason, expected, observed, kind=DivergenceKind.MISMATCH):
+        raise Diverged(Divergence(user_line(), str(expected), str(observed), self.pos, reason,
+                                  kind))
 
     def _skip(self, op_type, inputs, attrs, route):
         view, p = self.view, self.pos
@@ -216,9 +221,9 @@ class PythonRunner(hook.Interceptor):
             self._raised = op_type
             raise tfp.FallbackException()
         if self.iteration.run_failed():
-            self._diverge("graph error", "no error", "the graph failed")
+            self._diverge(GRAPH_ERROR, "no error", "the graph failed", DivergenceKind.GRAPH_ERROR)
         if p >= view.n:
-            self._diverge(PAST_END, "end of iteration", op_type)
+            self._diverge(PAST_END, "end of iteration", op_type, DivergenceKind.PAST_END)
         rec = view.records[p]
         # fast and slow routes of one op are the same op (which one TF takes depends on the
         # inputs' Python types, e.g. a placeholder makes the C fast path bail out)
@@ -483,115 +488,6 @@ class PythonRunner(hook.Interceptor):
         return ph
 
     # ------------------------------------------------------------------ units
-    def gradient_unit(self, guard, what: str = "") -> Any:
-        """Skip a recorded coarse unit (`tape.gradient`, or `what`: e.g. a tf.function call)
-        whose guard is `guard`; returns flat results."""
-        unit = self.view.units.get(self.pos)
-        if unit is None or unit.guard != guard:
-            try:
-                if unit is None:
-                    if what:
-                        self._diverge(f"{what} where the path has none", "an op", what)
-                    self._diverge("gradient call where the path has none", "an op", "tape.gradient")
-                if what:
-                    self._diverge(f"{what} with another guard", _guard_text(unit.guard),
-                                  _guard_text(guard))
-                self._diverge("gradient of different tensors", unit.guard, guard)
-            except Diverged as d:
-                tried = {id(self.iteration.path)}
-                pos = self.pos
-
-                def accepts(q):
-                    u = q.view.units.get(pos)
-                    return u is not None and u.guard == guard
-                while self.iteration.switch(d.divergence, tried=tried, accepts=accepts):
-                    u = self.view.units.get(self.pos)
-                    if u is not None and u.guard == guard:
-                        break
-                else:
-                    raise
-            unit = self.view.units.get(self.pos)
-            if unit is None or unit.guard != guard:
-                self._diverge(f"{what or 'gradient call'} where the path has none", "an op",
-                              what or "tape.gradient")
-        tried = {id(self.iteration.path)}
-        while True:
-            mark = len(self.fed_order)
-            for slot in unit.feeds:
-                obj = self.view.trace.feed_values[slot]
-                self._feed(slot, obj, obj)
-            changed = self._changed_shape(unit) or self._changed_read(unit)  # (after the
-            # unit's feeds: a read may need them)
-            if changed is None:
-                break
-            self._rollback(mark)
-            while True:  # another compiled path, traced with the values read now?
-                if not self.iteration.switch(changed, tried=tried):
-                    raise Diverged(changed)
-                u = self.view.units.get(self.pos)
-                if u is not None and u.guard == guard:
-                    unit = u
-                    break
-        self.last_unit = unit
-        self.iteration.open_gate(unit.start)
-        self.pos = unit.end
-        if self.advance is not None:
-            self.advance(unit.end)
-        out = []
-        for r in unit.result:
-            if r is None:
-                out.append(None)
-            else:
-                out.append(self._placeholder(self.view.records[r.record], r.index))
-        if self.pos == self.view.n and self.view.end_sync:
-            self.iteration.wait_run()
-        return out
-
-    def _changed_shape(self, unit) -> Optional[Divergence]:
-        """Why `unit` cannot be skipped as recorded: a value whose shape the graph does not know
-        before it runs (the output of `tf.where`, `tf.unique`, NMS, a computed `tf.range`) has
-        another shape now than when the unit was traced, and the unit's Python may have built
-        its ops from that shape (a gradient's reduction axes, a layer's reshape): the values
-        of `PathView.shapes_read_by`. Reading one waits for it. Values the graph does not fetch
-        are all logged at once (one fallback, and the next graph fetches them)."""
-        unknown = self.iteration.exe.unknown_shapes()
-        if not unknown:
-            return None
-        missing, changed = [], None
-        for ref in self.view.shapes_read_by(unit):
-            if ref not in unknown:
-                continue
-            value = self.iteration.unit_read(ref)
-            if value is None:
-                missing.append(ref)
-                continue
-            traced = tuple(self.view.records[ref.record].outputs[ref.index].shape)
-            if changed is None and np.shape(value) != traced:
-                changed = Divergence(user_line(), f"{ref!r} of shape {list(traced)}",
-                                     f"shape {list(np.shape(value))}", self.pos,
-                                     "a unit's input has another shape than when it was traced")
-        if missing:
-            for ref in missing:
-                self.log_fetch(ref)
-            return Divergence(user_line(), f"fetch of {missing[0]!r}", "no fetch", self.pos,
-                              "shape read by a unit that the graph does not fetch")
-        return changed
-
-    def _changed_read(self, unit) -> Optional[Divergence]:
-        """Why `unit` cannot be skipped as recorded: a value its Python read then is different
-        now, or cannot be known without a fetch the graph lacks (logged, so the next graph has
-        it). None if every read is the same."""
-        for ref, value in unit.reads:
-            current = self.iteration.unit_read(ref)
-            if current is None:
-                self.log_fetch(ref)
-                return Divergence(user_line(), f"fetch of {ref!r}", "no fetch", self.pos,
-                                  "value read by a unit that the graph does not fetch")
-            if current is not _UNSET and not _same_array(current, value):
-                return Divergence(user_line(), _short(value), _short(current), self.pos,
-                                  "a value the unit's Python read has changed")
-        return None
-
     def ref_of(self, x):
         """Ref of a tensor or variable for unit guards (None if it has none)."""
         r = placeholder_ref(x, self)
@@ -603,27 +499,8 @@ class PythonRunner(hook.Interceptor):
         self.fetch_log.append(Fetch(ref, self.pos, how))
 
 
-_UNSET = object()  # Iteration.unit_read: a feed the unit itself supplies (as recorded)
-
-
-def _same_array(a, b) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
-
-
 def _tape_word(taped: bool) -> str:
     return "recorded by the tape" if taped else "not recorded (tapes stopped)"
-
-
-def _short(value) -> str:
-    return np.array2string(np.asarray(value), threshold=8)[:80]
-
-
-def _guard_text(guard) -> str:
-    """A unit guard for messages: objects by their name, not their repr."""
-    return "(" + ", ".join(getattr(g, "__name__", None) or getattr(g, "name", None) or repr(g)
-                           if not isinstance(g, (tuple, bool, type(None))) else repr(g)
-                           for g in guard) + ")"
 
 
 _RESOURCE = None
@@ -654,4 +531,3 @@ def _variable_ref(x) -> Optional[VariableRef]:
 
 
 __all__ = ["PythonRunner", "SkipPlaceholder", "placeholder_ref", "UNSET"]
-UNSET = _UNSET

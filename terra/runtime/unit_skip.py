@@ -1,0 +1,147 @@
+"""Skipping a coarse unit whole (a `tape.gradient`, an `apply_gradients`, a Keras layer or a
+`tf.function` call): the unit at the runner's position must have the same guard; the values its
+Python read while traced (shapes the graph cannot know before it runs, tensor values) must be
+the same now, or the iteration switches to a path traced with the values read now. Then the
+unit's recorded ops are passed over without looking at them, and its results are placeholders.
+
+A mixin of `PythonRunner` (python_runner.py), which holds the matching of single ops.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from terra.runtime.divergence import Diverged, Divergence, user_line
+
+__all__ = ["UnitSkipping", "UNSET"]
+
+
+class UnitSkipping:
+    def gradient_unit(self, guard, what: str = "") -> Any:
+        """Skip a recorded coarse unit (`tape.gradient`, or `what`: e.g. a tf.function call)
+        whose guard is `guard`; returns flat results."""
+        unit = self.view.units.get(self.pos)
+        if unit is None or unit.guard != guard:
+            try:
+                if unit is None:
+                    if what:
+                        self._diverge(f"{what} where the path has none", "an op", what)
+                    self._diverge("gradient call where the path has none", "an op", "tape.gradient")
+                if what:
+                    self._diverge(f"{what} with another guard", _guard_text(unit.guard),
+                                  _guard_text(guard))
+                self._diverge("gradient of different tensors", unit.guard, guard)
+            except Diverged as d:
+                tried = {id(self.iteration.path)}
+                pos = self.pos
+
+                def accepts(q):
+                    u = q.view.units.get(pos)
+                    return u is not None and u.guard == guard
+                while self.iteration.switch(d.divergence, tried=tried, accepts=accepts):
+                    u = self.view.units.get(self.pos)
+                    if u is not None and u.guard == guard:
+                        break
+                else:
+                    raise
+            unit = self.view.units.get(self.pos)
+            if unit is None or unit.guard != guard:
+                self._diverge(f"{what or 'gradient call'} where the path has none", "an op",
+                              what or "tape.gradient")
+        tried = {id(self.iteration.path)}
+        while True:
+            mark = len(self.fed_order)
+            for slot in unit.feeds:
+                obj = self.view.trace.feed_values[slot]
+                self._feed(slot, obj, obj)
+            changed = self._changed_shape(unit) or self._changed_read(unit)  # (after the
+            # unit's feeds: a read may need them)
+            if changed is None:
+                break
+            self._rollback(mark)
+            while True:  # another compiled path, traced with the values read now?
+                if not self.iteration.switch(changed, tried=tried):
+                    raise Diverged(changed)
+                u = self.view.units.get(self.pos)
+                if u is not None and u.guard == guard:
+                    unit = u
+                    break
+        self.last_unit = unit
+        self.iteration.open_gate(unit.start)
+        self.pos = unit.end
+        if self.advance is not None:
+            self.advance(unit.end)
+        out = []
+        for r in unit.result:
+            if r is None:
+                out.append(None)
+            else:
+                out.append(self._placeholder(self.view.records[r.record], r.index))
+        if self.pos == self.view.n and self.view.end_sync:
+            self.iteration.wait_run()
+        return out
+
+    def _changed_shape(self, unit) -> Optional[Divergence]:
+        """Why `unit` cannot be skipped as recorded: a value whose shape the graph does not know
+        before it runs (the output of `tf.where`, `tf.unique`, NMS, a computed `tf.range`) has
+        another shape now than when the unit was traced, and the unit's Python may have built
+        its ops from that shape (a gradient's reduction axes, a layer's reshape): the values
+        of `PathView.shapes_read_by`. Reading one waits for it. Values the graph does not fetch
+        are all logged at once (one fallback, and the next graph fetches them)."""
+        unknown = self.iteration.exe.unknown_shapes()
+        if not unknown:
+            return None
+        missing, changed = [], None
+        for ref in self.view.shapes_read_by(unit):
+            if ref not in unknown:
+                continue
+            value = self.iteration.unit_read(ref)
+            if value is None:
+                missing.append(ref)
+                continue
+            traced = tuple(self.view.records[ref.record].outputs[ref.index].shape)
+            if changed is None and np.shape(value) != traced:
+                changed = Divergence(user_line(), f"{ref!r} of shape {list(traced)}",
+                                     f"shape {list(np.shape(value))}", self.pos,
+                                     "a unit's input has another shape than when it was traced")
+        if missing:
+            for ref in missing:
+                self.log_fetch(ref)
+            return Divergence(user_line(), f"fetch of {missing[0]!r}", "no fetch", self.pos,
+                              "shape read by a unit that the graph does not fetch")
+        return changed
+
+    def _changed_read(self, unit) -> Optional[Divergence]:
+        """Why `unit` cannot be skipped as recorded: a value its Python read then is different
+        now, or cannot be known without a fetch the graph lacks (logged, so the next graph has
+        it). None if every read is the same."""
+        for ref, value in unit.reads:
+            current = self.iteration.unit_read(ref)
+            if current is None:
+                self.log_fetch(ref)
+                return Divergence(user_line(), f"fetch of {ref!r}", "no fetch", self.pos,
+                                  "value read by a unit that the graph does not fetch")
+            if current is not UNSET and not _same_array(current, value):
+                return Divergence(user_line(), _short(value), _short(current), self.pos,
+                                  "a value the unit's Python read has changed")
+        return None
+
+
+UNSET = object()  # Iteration.unit_read: a feed the unit itself supplies (as recorded)
+
+
+def _same_array(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def _short(value) -> str:
+    return np.array2string(np.asarray(value), threshold=8)[:80]
+
+
+def _guard_text(guard) -> str:
+    """A unit guard for messages: objects by their name, not their repr."""
+    return "(" + ", ".join(getattr(g, "__name__", None) or getattr(g, "name", None) or repr(g)
+                           if not isinstance(g, (tuple, bool, type(None))) else repr(g)
+                           for g in guard) + ")"
