@@ -3,11 +3,20 @@ the path expected and what the program did), and the exception that carries it o
 PythonRunner to the iteration, which switches paths or falls back."""
 from __future__ import annotations
 
+import enum
 import sys
 from dataclasses import dataclass
 
 
+class DivergenceKind(enum.Enum):
+    """What the runtime does about a divergence (its `reason` is text for `explain()` only)."""
+    MISMATCH = "mismatch"        # another op or input than the path's: switch paths, or fall back
+    PAST_END = "past end"        # an op after the path's last one: the loop may be over
+    GRAPH_ERROR = "graph error"  # the path's graph failed: no other path helps; fall back
+
+
 PAST_END = "op after the end of the path"
+GRAPH_ERROR = "graph error"
 
 # ------------------------------------------------------------------------------------ records
 @dataclass(frozen=True, slots=True)
@@ -19,6 +28,7 @@ class Divergence:
     observed: str
     position: int
     reason: str
+    kind: DivergenceKind = DivergenceKind.MISMATCH
 
     def __str__(self) -> str:
         return (f"{self.reason} at op #{self.position} ({self.location}): expected {self.expected}, "
@@ -45,4 +55,4 @@ def user_line(skip_internal: bool = True, frame=None) -> str:
     return "<unknown>"
 
 
-__all__ = ["PAST_END", "Divergence", "Diverged", "user_line"]
+__all__ = ["GRAPH_ERROR", "PAST_END", "Divergence", "DivergenceKind", "Diverged", "user_line"]

@@ -53,6 +53,7 @@ class Event:
     iteration: int
     detail: str
     where: str
+    reason: str = ""   # a fallback's: `Divergence.reason` (the summary counts them by it)
 
     def __str__(self):
         return f"[{self.kind}] {self.site} iteration {self.iteration}: {self.detail} ({self.where})"
@@ -93,8 +94,7 @@ def summary(stats: dict, sites, events, max_sites: int = 8) -> str:
     reasons: dict = {}
     for e in events:
         if e.kind == "fallback":
-            key = e.detail.split(" (op #")[0]
-            reasons[key] = reasons.get(key, 0) + 1
+            reasons[e.reason] = reasons.get(e.reason, 0) + 1
     if reasons:
         lines.append("  fallbacks by reason:")
         lines += [f"    {n} x {why}" for why, n in

@@ -17,7 +17,7 @@ from terra.runtime.executable import Executable, PathRun
 from terra.runtime.graph_runner import extended_error
 from terra.runtime.iteration_end import IterationEnd
 from terra.runtime.placeholders import Placeholder
-from terra.runtime.divergence import Divergence, user_line
+from terra.runtime.divergence import GRAPH_ERROR, Divergence, DivergenceKind, user_line
 from terra.runtime.python_runner import UNSET, PythonRunner, placeholder_ref
 from terra.tracing import hook
 from terra.tracing.recorder import ContinuingRecorder
@@ -228,7 +228,7 @@ class Iteration(IterationEnd):
                 s.counters.python_stall_s += dt
         if self.run_failed():
             self.fallback(Divergence(user_line(), "a value", "a graph error", self.runner.pos,
-                                     "graph error"))
+                                     GRAPH_ERROR, DivergenceKind.GRAPH_ERROR))
 
     def resolve(self, ref: OutputRef):
         """Value of a placeholder of this iteration (a Python sync point)."""
@@ -263,7 +263,7 @@ class Iteration(IterationEnd):
                         self.runner.log_fetch(ref)
                         return v
                     self.fallback(Divergence(user_line(), "a value", "a graph error",
-                                             self.runner.pos, "graph error"))
+                                             self.runner.pos, GRAPH_ERROR, DivergenceKind.GRAPH_ERROR))
                 else:
                     self.runner.log_fetch(ref)  # the next graph fetches it
                     if exe.learns_fetches and ref.record < len(self.path.trace.records):

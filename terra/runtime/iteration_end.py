@@ -12,7 +12,7 @@ from terra import _tf_private as tfp
 from terra.config import CONFIG
 from terra.errors import TerraRuntimeError
 from terra.runtime.held import kept_unresolved
-from terra.runtime.divergence import Divergence, user_line
+from terra.runtime.divergence import GRAPH_ERROR, Divergence, DivergenceKind, user_line
 from terra.tracing import hook
 
 FAILED = object()  # a run's result when it raised (a site graph's function returns None)
@@ -141,7 +141,7 @@ class IterationEnd:
                 s.counters.python_stall_s += dt
             if outs is FAILED:
                 self.fallback(Divergence(user_line(), "a value", "a graph error",
-                                         self.runner.pos, "graph error"))
+                                         self.runner.pos, GRAPH_ERROR, DivergenceKind.GRAPH_ERROR))
                 return
             try:
                 self.outputs = self.exe.outputs(outs, s.runner.fetch)

@@ -156,8 +156,8 @@ class Session:
                       f"thread at a time and another thread holds it (see terra.explain())",
                       RuntimeWarning, stacklevel=4)
 
-    def _event(self, kind, site, it_number, detail, where=""):
-        e = Event(EventKind(kind), site.label, it_number, detail, where or "")
+    def _event(self, kind, site, it_number, detail, where="", reason=""):
+        e = Event(EventKind(kind), site.label, it_number, detail, where or "", reason)
         self.events.append(e)
         if CONFIG.verbose:
             print(f"terra: {e}")
@@ -168,7 +168,7 @@ class Session:
         it.fallback_gap = it.number - it.site.last_fallback
         it.site.last_fallback = it.number
         self._event("fallback", it.site, it.number, f"{d.reason}: expected {d.expected}, "
-                    f"observed {d.observed} (op #{d.position})", d.location)
+                    f"observed {d.observed} (op #{d.position})", d.location, d.reason)
 
     def _ensure_hook(self):
         if not self._installed:

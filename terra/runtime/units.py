@@ -13,7 +13,7 @@ from terra.config import CONFIG
 from terra.ir.op_kinds import UNSEEDED_RANDOM_OPS
 from terra.ir.records import FeedRef, VariableRef
 from terra.runtime.placeholders import Placeholder
-from terra.runtime.divergence import PAST_END, Diverged, Divergence, user_line
+from terra.runtime.divergence import PAST_END, Diverged, Divergence, DivergenceKind, user_line
 from terra.runtime.path_view import GradUnit
 from terra.runtime.python_runner import placeholder_ref
 from terra.tracing import hook
@@ -285,7 +285,7 @@ def function_call(session, fn, original, args, kwargs):
             runner._rollback(mark)
             if runner.pos >= runner.view.n and not it.extended_elsewhere():  # the loop is over
                 with session.internal():
-                    it.finish_past_end(_with_reason(d.divergence, PAST_END))
+                    it.finish_past_end(_past_end(d.divergence))
                 return original(fn, *real_values(args), **real_values(kwargs))
             it.fallback(d.divergence)
     if it.mode != "tracing" or it.recorder is None or not it.recorder.recording or \
@@ -419,8 +419,9 @@ UNIT_RULES = {"apply_gradients": _apply_gradients_rule, "layer": _layer_rule,
               "loss": _loss_rule, "function": _function_rule}
 
 
-def _with_reason(d: Divergence, reason: str) -> Divergence:
-    return Divergence(d.location, d.expected, d.observed, d.position, reason)
+def _past_end(d: Divergence) -> Divergence:
+    return Divergence(d.location, d.expected, d.observed, d.position, PAST_END,
+                      DivergenceKind.PAST_END)
 
 
 @contextlib.contextmanager
