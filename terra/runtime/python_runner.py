@@ -144,6 +144,7 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
         self.advance = None            # called with `pos` after each match (SiteRun.advance)
         # from this record on, shapes are this iteration's, not the path's (`_takes_new_shape`)
         self.shape_from: Optional[int] = None
+        self.new_feed = None    # (slot, dtype, shape) of a feed that diverged on its signature
         self.new_shapes: dict = {}     # feed slot -> shape, record index -> output shapes
 
     # ------------------------------------------------------------------ hook callbacks
@@ -163,6 +164,7 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
         if not self.skipping:  # after a fallback the session routes ops to the recorder
             return run()
         mark = len(self.fed_order)
+        self.new_feed = None
         try:
             outs = self._skip(op_type, inputs, attrs, route)
             if op_type in HOST_OPS:  # matched: now it really runs, on the fetched inputs
@@ -178,9 +180,10 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
                 # only after it hands the op to the slow route)
                 kinds = (op_type, "ReadVariableOp") if route == "fast" and \
                     _may_take_variable(inputs) else (op_type,)
+                fits = self._feed_fits(pos)
                 accepts = None if route == "function" else (
                     lambda q: q.view.records[pos].op_type in kinds and
-                    _takes_variables(q.view.records[pos], op_type, inputs))
+                    _takes_variables(q.view.records[pos], op_type, inputs) and fits(q))
                 while self.iteration.switch(d.divergence, tried=tried, accepts=accepts):
                     try:
                         return self._skip(op_type, inputs, attrs, route)
@@ -407,8 +410,29 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
             shape = tuple(a.shape)
         if (dtype != spec.dtype or shape != spec.shape) and \
                 not self._takes_new_shape(slot, dtype, shape):
+            self.new_feed = (slot, dtype, shape)
             self._diverge("feed with a new signature", spec, f"{dtype}{list(shape)}")
         self.record_feed(slot, obj, value)
+
+    def _feed_fits(self, pos):
+        """For a switch after a feed of a new signature at record `pos` (`new_feed`): whether a
+        path feeds that input with that signature, or runs a shape group's graph (which may
+        take it). Other paths would diverge at the same feed again, each after a restart."""
+        if self.new_feed is None:
+            return lambda q: True
+        slot, dtype, shape = self.new_feed
+        mine = self.view.records[pos].input_refs()
+
+        def fits(q):
+            if q.group is not None:
+                return True
+            for a, b in zip(mine, q.view.records[pos].input_refs()):
+                if isinstance(a, FeedRef) and a.slot == slot and isinstance(b, FeedRef):
+                    spec = q.view.feed_specs[b.slot]
+                    return spec.dtype == dtype and spec.shape is not None and \
+                        tuple(spec.shape) == shape
+            return True
+        return fits
 
     def _takes_new_shape(self, slot, dtype, shape) -> bool:
         """Whether a feed of a shape the path was not traced with can still be put: the path

@@ -155,6 +155,45 @@ def test_without_shape_groups_every_length_builds_its_own_graph():
     assert _groups() == []
 
 
+def _batches(Tape, sizes):
+    """A dense model trained on batches of the given sizes, made before the loop."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    opt = keras.optimizers.SGD(0.1)
+    rng = np.random.default_rng(0)
+    data = [tf.constant(rng.normal(size=(n, 4)).astype("float32")) for n in sizes]
+    losses = []
+    for x in data:
+        with Tape() as tape:
+            loss = tf.reduce_mean(model(x) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+        losses.append(float(loss))
+    terra.end_iteration()
+    return losses, [v.numpy() for v in model.weights]
+
+
+def test_a_switch_for_a_feed_of_another_shape_goes_to_a_path_of_that_shape():
+    """Three compiled batch sizes, drawn out of turn: where a batch's size is not the predicted
+    path's, the iteration switches once, to the path of that size, not through every path that
+    agrees up to that feed (each would diverge at the same feed again, after a restart)."""
+    sizes = [8, 6, 4] * 3 + [4, 8, 8, 6, 6, 4, 8, 4, 6]
+    eager = _batches(tf.GradientTape, sizes)
+    old = terra.config(shape_groups=False)
+    try:
+        with CompileCounter() as c:
+            got = _batches(tf.TerraGradientTape, sizes)
+    finally:
+        terra.config(**old)
+    _assert_same(got, eager)
+    switches = [e for e in terra.explain().splitlines() if e.startswith("[switch]")]
+    per_iteration = [line.split(" iteration ")[1].split(":")[0] for line in switches]
+    assert len(per_iteration) == len(set(per_iteration)), terra.explain()
+    # sizes 6 and 4 are first met on the graph of 8 (a fallback each); from then on every
+    # mispredicted size costs exactly one switch
+    c.assert_counts(traces=7, graph_builds=3, fallbacks=2, path_switches=6)
+
+
 def test_a_data_dependent_length_inside_a_group_is_still_read_from_the_graph():
     """`tf.boolean_mask` keeps a number of rows the graph cannot know before it runs, also on
     a group's graph: Python's read of it waits for the value."""
