@@ -484,6 +484,13 @@ def gradient_tape_exports() -> list:
 # Keras' built-in layers live under this private package; only their calls are units (a user's
 # layer subclass may branch on values in Python, so its ops are matched one by one).
 KERAS_BUILTIN_LAYER_MODULES = ("keras.src.layers.",)
+# What Keras' fit / evaluate / predict loops set on a model (keras/src/backend/tensorflow/
+# trainer.py; `_jit_compile` is resolved there on a model never compiled, for those loops' own
+# functions): state that the model's `call` never reads, so not part of a unit's guard (a
+# `model.predict` between steps would otherwise keep the model's call from being skipped whole)
+KERAS_LOOP_STATE = frozenset({"stop_training", "stop_evaluating", "stop_predicting",
+                              "train_function", "test_function", "predict_function",
+                              "_eval_epoch_iterator", "_jit_compile"})
 # A plain `keras.Sequential` or functional `keras.Model` (these exact classes: `keras.Model(inputs,
 # outputs)` makes a `Functional`) whose every layer is built in issues the same ops for the same
 # inputs and layer settings, as one built-in layer does: its call is one unit too.

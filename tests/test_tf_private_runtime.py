@@ -247,3 +247,31 @@ def test_tapes_recording_and_stop_recording():
         assert tfp.tapes_recording()
         z = y * x
     assert float(tape.gradient(z, x)) == 6.0  # y was not recorded: a constant to the tape
+
+
+def test_keras_loops_change_only_their_loop_state_on_a_model():
+    """`KERAS_LOOP_STATE` names every plain attribute that fit / evaluate / predict set on a
+    model (a unit's guard leaves them out): if Keras sets another, a model's call stops being
+    skipped whole after such a loop, and this test names the attribute."""
+    import keras
+    import numpy as np
+
+    def plain(model):
+        return {k: v for k, v in vars(model).items()
+                if isinstance(v, (bool, int, float, str, type(None)))}
+
+    x = np.ones((8, 4), np.float32)
+    y = np.ones((8, 1), np.float32)
+    for compiled in (False, True):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        if compiled:
+            model.compile(optimizer="sgd", loss="mse")
+        model(x)
+        before = plain(model)
+        model.predict(x, verbose=0)
+        if compiled:
+            model.evaluate(x, y, verbose=0)
+            model.fit(x, y, epochs=1, verbose=0)
+        after = plain(model)
+        changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+        assert changed <= tfp.KERAS_LOOP_STATE, sorted(changed - tfp.KERAS_LOOP_STATE)

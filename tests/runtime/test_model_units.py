@@ -2,6 +2,7 @@
 unit (terra/runtime/units.py `layer_call`), guarded on the model, its settings and every layer's;
 a subclassed model, or one holding a user-defined layer, is not (its layers are units of their
 own). A built-in Keras loss object's call is a unit too. Each program runs eagerly and under Terra: same losses and variables, bit for bit."""
+import functools
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -98,6 +99,29 @@ def test_changing_an_inner_layers_setting_is_not_skipped():
             model.layers[1].negative_slope = 0.5
     both(lambda: sequential(2), change=change).assert_counts(traces=4, graph_builds=2,
                                                             fallbacks=1)
+
+
+def test_a_predict_between_steps_keeps_the_model_one_unit(monkeypatch):
+    """`model.predict` sets its loop state on the model (`stop_predicting`, `predict_function`):
+    not a setting of its call, so the compiled steps after it still skip the model's call whole
+    (its Dense layers' `call` is not run), where before every later step ran it op by op."""
+    xs = tf.constant(np.random.default_rng(3).normal(size=(8, 4)).astype(np.float32))
+
+    def change(model, i):
+        if i == 4:
+            model.predict(xs, verbose=0)
+    calls = []
+    real_call = keras.layers.Dense.call
+    monkeypatch.setattr(keras.layers.Dense, "call", functools.wraps(real_call)(
+        lambda self, *a, **k: calls.append(1) or real_call(self, *a, **k)))
+    eager = train(lambda: sequential(4), tf.GradientTape, steps=10, change=change)
+    calls.clear()
+    with CompileCounter() as c:
+        got = train(lambda: sequential(4), tf.TerraGradientTape, steps=10, change=change)
+    assert got == eager, terra.explain()
+    c.assert_counts(traces=3, graph_builds=1, fallbacks=0)
+    # 2 Dense layers: traced steps 1-3 and predict's call run them; compiled steps 4-10 do not
+    assert len(calls) == 2 * 3 + 2, terra.explain()
 
 
 def test_a_model_with_a_user_defined_layer_is_not_a_unit():
