@@ -53,6 +53,60 @@ CONVERT_ATTR = "convert_to_eager_tensor"
 # `tensor_util.constant_value` pulls a value into Python (eager `tf.cond` uses it): a fetch point.
 CONSTANT_VALUE_ATTR = "constant_value"
 
+# TF's registered gradient functions (`ops.RegisterGradient`), looked up by op type at every
+# backward step of an eager tape (`backprop._gradient_function`). `GradientEntry(op_type)` shows
+# one entry as the attribute `fn`, so the hook's patch table can replace and restore it.
+_GRADIENT_REGISTRY = _ops._gradient_registry._registry  # pylint: disable=protected-access
+_GRADIENT_FN_TAG = "type"
+
+
+class GradientEntry:
+    """The registered gradient function of `op_type`, as the attribute `fn`."""
+    __slots__ = ("op_type",)
+
+    def __init__(self, op_type: str):
+        object.__setattr__(self, "op_type", op_type)
+
+    def __getattr__(self, name):
+        if name != "fn":
+            raise AttributeError(name)
+        return _GRADIENT_REGISTRY[self.op_type][_GRADIENT_FN_TAG]
+
+    def __setattr__(self, name, value):
+        if name != "fn":
+            raise AttributeError(name)
+        _GRADIENT_REGISTRY[self.op_type][_GRADIENT_FN_TAG] = value
+
+    def __repr__(self) -> str:
+        return f"GradientEntry({self.op_type!r})"
+
+
+def strided_slice_gradient(orig):
+    """TF's StridedSlice gradient (`array_grad._StridedSliceGrad`), except that in eager it hands
+    the backward op the forward op's own `begin` / `end` / `strides` tensors where TF hands it
+    NumPy copies (`constant_value`): the same values, so the same result, but a copy is a new
+    constant to the recorder and taking it is a read of a value, while the tensors are the
+    forward slice's constants (one feed when the program changes them: `probs[0, action]` with
+    a sampled action). Building a graph, TF's own runs (its copies give static shapes)."""
+    from tensorflow.python.ops import array_ops
+
+    def strided_slice_grad(op, grad):
+        begin, end, strides = op.inputs[1], op.inputs[2], op.inputs[3]
+        if not (isinstance(begin, EagerTensorBase) and isinstance(end, EagerTensorBase) and
+                isinstance(strides, EagerTensorBase)):
+            return orig(op, grad)
+        x = array_ops.shape(op.inputs[0], out_type=begin.dtype)
+        x_static = tensor_util_module.constant_value(x)
+        x = x_static if x_static is not None else x
+        return (array_ops.strided_slice_grad(
+            x, begin, end, strides, grad, begin_mask=op.get_attr("begin_mask"),
+            end_mask=op.get_attr("end_mask"), ellipsis_mask=op.get_attr("ellipsis_mask"),
+            new_axis_mask=op.get_attr("new_axis_mask"),
+            shrink_axis_mask=op.get_attr("shrink_axis_mask")), None, None, None)
+    strided_slice_grad.__wrapped__ = orig
+    return strided_slice_grad
+
+
 # Resource variables: `handle` is the property every read/assign passes to the gen ops; patching
 # it lets the recorder map a handle tensor back to its variable object.
 BaseResourceVariable = _rv.BaseResourceVariable
@@ -578,6 +632,21 @@ def keras_trainer_class(import_it: bool = True):
 def tape_is_recording(gradient_tape) -> bool:
     """Whether a tf.GradientTape is on the tape stack now."""
     return bool(gradient_tape._recording)
+
+
+def gradient_taken(gradient_tape) -> bool:
+    """What `tf.GradientTape.gradient` does to a non-persistent tape besides computing, for a
+    gradient the graph computed: the tape leaves the tape stack (a gradient taken inside its
+    `with` stops its recording) and drops its state (it computes no second gradient). True if
+    it left the stack."""
+    if gradient_tape._persistent or gradient_tape._tape is None:
+        return False
+    popped = bool(gradient_tape._recording)
+    if popped:
+        gradient_tape._pop_tape()
+    gradient_tape._watched_variables = gradient_tape._tape.watched_variables()
+    gradient_tape._tape = None
+    return popped
 
 
 def tape_has_state(gradient_tape) -> bool:

@@ -275,3 +275,72 @@ def test_keras_loops_change_only_their_loop_state_on_a_model():
         after = plain(model)
         changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
         assert changed <= tfp.KERAS_LOOP_STATE, sorted(changed - tfp.KERAS_LOOP_STATE)
+
+
+def test_the_strided_slice_gradient_entry_and_its_rule():
+    """`GradientEntry` shows TF's registered StridedSlice gradient as `fn`, and Terra's rule
+    (`strided_slice_gradient`) gives TF's gradient in eager while taking the slice's own bound
+    tensors (the gradient op's inputs are the forward op's, by identity)."""
+    from tensorflow.python.ops import array_grad
+    entry = tfp.GradientEntry("StridedSlice")
+    assert entry.fn is array_grad._StridedSliceGrad
+    rule = tfp.strided_slice_gradient(entry.fn)
+    x = tf.Variable([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    got = {}
+    for name, fn in (("tf", array_grad._StridedSliceGrad), ("terra", rule)):
+        entry.fn = fn
+        try:
+            with tf.GradientTape() as tape:
+                y = x[1, 0:3:2] * tf.constant([2.0, 5.0])
+            got[name] = tape.gradient(y, x).numpy()
+        finally:
+            entry.fn = array_grad._StridedSliceGrad
+    assert (got["tf"] == got["terra"]).all() and got["tf"].tolist() == [[0, 0, 0], [2, 0, 5]]
+
+    seen = []
+
+    class Op:  # what eager's backprop hands a gradient function
+        inputs = (tf.ones((2, 3)), tf.constant([1, 0]), tf.constant([2, 3]), tf.constant([1, 2]))
+
+        def get_attr(self, name):
+            return {"shrink_axis_mask": 1}.get(name, 0)
+
+    orig_value = tfp.tensor_util_module.constant_value
+    try:
+        tfp.tensor_util_module.constant_value = lambda t, partial=False: (
+            seen.append(t), orig_value(t, partial))[1]
+        rule(Op(), tf.ones((2,)))
+    finally:
+        tfp.tensor_util_module.constant_value = orig_value
+    assert not any(t is b for t in seen for b in Op.inputs[1:])  # the bounds are not copied
+
+
+def test_eager_tensors_take_no_part_in_numpy_dispatch_of_their_own():
+    """The hook adds `__array_function__` to eager tensors (and deletes it again): TF defines
+    none, and NumPy functions read an eager tensor through the buffer protocol, unseen."""
+    assert "__array_function__" not in tfp.EagerTensorBase.__dict__
+    assert not hasattr(tf.constant(1.0), "__array_function__")
+    import numpy as np
+    assert np.squeeze(tf.constant([[1.0, 2.0]])).tolist() == [1.0, 2.0]
+
+
+def test_gradient_taken_leaves_a_tape_as_tf_gradient_does():
+    """A non-persistent tape after `gradient` inside its `with`: off the stack, no state."""
+    x = tf.constant(3.0)
+    with tf.GradientTape() as eager_tape:
+        eager_tape.watch(x)
+        y = x * x
+        eager_tape.gradient(y, x)
+        assert not tfp.tapes_recording()
+    assert not tfp.tape_has_state(eager_tape) and not tfp.tape_is_recording(eager_tape)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        assert tfp.gradient_taken(tape) is True
+        assert not tfp.tapes_recording()
+    assert not tfp.tape_has_state(tape) and not tfp.tape_is_recording(tape)
+    with pytest.raises(RuntimeError, match="non-persistent"):
+        tape.gradient(x * x, x)
+    with tf.GradientTape(persistent=True) as kept:
+        kept.watch(x)
+        assert tfp.gradient_taken(kept) is False
+        assert tfp.tapes_recording()

@@ -101,9 +101,13 @@ class VariableRef:
 @dataclass(frozen=True, slots=True)
 class ConstRef:
     """A small constant, by value. `value` is a hashable canonical form (see `freeze`); `dtype` a
-    TF dtype name such as ``"float32"``."""
+    TF dtype name such as ``"float32"``. `origin` (not part of equality) numbers the tensor object
+    the constant was, within its trace: uses of one object (a slice's bounds in the forward pass
+    and in its gradient) share it, so generalization feeds them from one slot, and two objects
+    that merely hold equal values do not share one."""
     value: Any
     dtype: str
+    origin: Optional[int] = field(default=None, compare=False)
 
     def __repr__(self) -> str:
         return f"const({self.value!r}:{self.dtype})"

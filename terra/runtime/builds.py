@@ -21,7 +21,7 @@ from terra.runtime.path_graph import PathGraph, skip_fetch_points
 from terra.runtime.path_view import PathView
 from terra.runtime.shape_groups import Relaxed, ShapeGroup, member_values, relax
 from terra.runtime.site_graph import SiteGraph
-from terra.runtime.sites import (Path, reads_feed_values, renamed_path, uncompilable,
+from terra.runtime.sites import (Path, reads_feed_values, renamed_path,
                                  variable_renaming)
 
 __all__ = ["Builds"]
@@ -108,7 +108,7 @@ class Builds:
         trace covers it runs it on the group's graph at once (no build); one it relaxes further
         is rebuilt; or a new group with another compilable path is built. Returns "reuse" or
         "build"; None if `path` differs from every other path in more than shapes."""
-        if self.builder.building(path) or uncompilable(path.trace, path.units) or \
+        if self.builder.building(path) or path.why_uncompilable() or \
                 reads_feed_values(path.units):
             return None
         for g in site.shape_groups:
@@ -135,7 +135,7 @@ class Builds:
             self.build_group(site, g, number)
             return "build"
         for q in site.paths.values():
-            if q is path or q.group is not None or uncompilable(q.trace, q.units) or \
+            if q is path or q.group is not None or q.why_uncompilable() or \
                     reads_feed_values(q.units):
                 continue
             relaxed = relax(Relaxed(q.trace, {}), path.trace)

@@ -305,7 +305,8 @@ class EagerReplay:
         for j, t in enumerate(outs or ()):
             self.env[(rec.index, j)] = t
             for tape in self.watches.get((rec.index, j), ()):
-                tfp.PlainGradientTape.watch(tape, t)
+                if tfp.tape_has_state(tape):  # (none: its gradient, later, is already taken)
+                    tfp.PlainGradientTape.watch(tape, t)
 
 
 def bind_placeholders(placeholders: dict, env: dict) -> None:

@@ -58,9 +58,29 @@ from terra.tracing.locations import caller_step_try
 
 # ------------------------------------------------------------------------------------ session
 _BUILDS_PER_TRACE_LIMIT = 2  # a site stays eager after this many builds per `max_traces`
-# ... or once this many paths seen once were built while no graph of the site ever served an
-# iteration (every episode of another length)
-_CHURN_BUILDS = 4
+# ... or once this many paths first seen after it compiled were seen once while no graph of the
+# site ever served an iteration (every episode of another length)
+_CHURN_PATHS = 4
+# A site that has compiled builds a new path's graph when it first sees the path (a random branch
+# among several: served from then on), while fewer than this many of its graphs built so are
+# unused after _FIRST_SIGHT_WINDOW iterations (paths seen once, never served: episodes of rare
+# lengths); then at the path's second sighting.
+_FIRST_SIGHT_UNUSED = 2
+_FIRST_SIGHT_WINDOW = 4
+
+
+def _unused_once(site, number) -> int:
+    """Graphs of the site built for a path seen once, at least _FIRST_SIGHT_WINDOW iterations
+    before iteration `number`, that never served an iteration."""
+    return sum(1 for p in site.paths.values()
+               if p.graph is not None and p.count == 1 and not p.hits and p.group is None and
+               number - p.first_seen >= _FIRST_SIGHT_WINDOW)
+
+
+def _late_once(site) -> int:
+    """Paths first seen after the site compiled, seen once, never served (built or not)."""
+    return sum(1 for p in site.paths.values()
+               if p.late and p.count == 1 and not p.hits and p.group is None)
 
 
 class Session:
@@ -368,8 +388,9 @@ class Session:
         sig = path_signature(trace, units)
         path = site.paths.get(sig)
         if path is None and why is None and not reads_feed_values(units):
-            for other in list(site.paths.values()):
-                if other.signature[2] != sig[2] or uncompilable(other.trace, other.units) or \
+            # the most general path first: its generalization keeps what it already feeds
+            for other in sorted(site.paths.values(), key=lambda p: -len(p.trace.feeds)):
+                if other.signature[2] != sig[2] or other.why_uncompilable() or \
                         reads_feed_values(other.units):
                     continue
                 g = generalize(other.trace, trace, read_changed_spans(units, other.units))
@@ -389,7 +410,8 @@ class Session:
                     break
         new = path is None
         if new:
-            path = Path(sig, trace, units, id=site.new_path_id())
+            path = Path(sig, trace, units, id=site.new_path_id(), first_seen=it.number,
+                        late=any(p.graph is not None for p in site.paths.values()))
             site.paths[sig] = path
         elif path.by_role:
             # predicted over new variables, now traced: its units' guards are this trace's (a
@@ -420,8 +442,9 @@ class Session:
             # a new shape on a group's graph costs this trace and no build: bounded per shape
             # (a site whose shapes never repeat gives up through the churn rule below)
             site.known_fallbacks += 1
-        compiled_before = any(p.graph is not None for p in site.paths.values())
-        if why is None and (path.count >= 2 or compiled_before) and path.stale:
+        first_sight = any(p.graph is not None for p in site.paths.values()) and \
+            _unused_once(site, it.number) < _FIRST_SIGHT_UNUSED
+        if why is None and (path.count >= 2 or first_sight) and path.stale:
             self.builds.build(site, path, it.number)
             if new and path.rebound is not None and it.fallback_gap is not None and \
                     it.fallback_gap >= KNOWN_REUSE_GAP:
@@ -446,23 +469,23 @@ class Session:
             self._go_eager(site, it.number, f"{site.traces} traces without a compilable repeat"
                            + (f" (last: {why})" if why else ""))
         hits = sum(p.hits for p in site.paths.values())
-        unused_once = sum(1 for p in site.paths.values()
-                          if p.graph is not None and p.count == 1 and not p.hits and p.group is None)
+        late_once = _late_once(site)
         # a shape group's member costs a trace, not a build: a few more lengths may come before
         # the first repeats (lengths drawn from a range), but never-repeating ones give up too
         unused_members = sum(1 for p in site.paths.values()
                              if p.group is not None and p.count == 1 and not p.hits)
         if site.eager_reason is None and (
                 site.builds >= _BUILDS_PER_TRACE_LIMIT * CONFIG.max_traces or
-                unused_once >= _CHURN_BUILDS and not hits or
+                late_once >= _CHURN_PATHS and not hits or
                 unused_members >= CONFIG.max_traces and not hits):
             # its paths keep changing (an episode of another length every step): each new path
-            # costs a build and a fallback, more than running the site eagerly. Graphs built for
-            # paths seen once (after the site compiled) when no graph of the site ever served an
-            # iteration say so early; paths seen twice (a few branches or lengths in turn) do
+            # costs a fallback (and a build), more than running the site eagerly. Paths seen
+            # once after the site compiled when no graph of it ever served an iteration say so
+            # early; paths seen twice (a few branches or lengths in turn) do
             # not count, nor does a site whose graphs run at times (a random branch among many:
             # each path is built once and served from then on)
-            churn = f"{site.builds} graph builds" if unused_once >= _CHURN_BUILDS else \
+            churn = f"{site.builds} graph builds and {late_once} paths seen once since it " \
+                f"compiled" if late_once >= _CHURN_PATHS else \
                 f"{unused_members} shapes traced once each on a shape group's graph"
             self._go_eager(site, it.number, f"{churn} served no compiled iteration: its "
                            f"paths keep changing")

@@ -2,6 +2,7 @@
 constants that change into feeds, and what keeps a trace from being compiled."""
 from __future__ import annotations
 
+import bisect
 import collections
 from dataclasses import dataclass, field
 import functools
@@ -45,11 +46,58 @@ def generalize(base: Trace, new: Trace, frozen=()):
     in nothing. Feed slots are renumbered in first-use order; values are `new`'s. A constant
     becomes a feed only where its op's output shapes do not depend on its value (`shapes_fixed`):
     elsewhere each value keeps its own path; nor inside the record spans `frozen` (units whose
-    Python read tensor values: their constants may be made from those values)."""
+    Python read tensor values: their constants may be made from those values).
+
+    A constant that changed at one pass of a Python loop is fed at every pass: the other
+    passes' constants issued from the same place (`Location.site`, same op and input) become
+    feeds too, though the two traces happen to agree on them (an action sampled every step of
+    an episode: two episodes agree on some steps by chance, and each would cost a fallback)."""
     if len(base.records) != len(new.records):
         return None
+    first = _generalize(base, new, frozen, frozenset())
+    if first is None:
+        return None
+    force = _same_place_constants(base, new, first)
+    if not force:
+        return first
+    return _generalize(base, new, frozen, force) or first
+
+
+def _const_places(rb, rn):
+    """(place, base ref, new ref) for each input of one record pair."""
+    place = (rb.location.site, rb.op_type)
+    for i, (ab, an) in enumerate(zip(rb.inputs, rn.inputs)):
+        if isinstance(ab, tuple) and isinstance(an, tuple):
+            for j, (x, y) in enumerate(zip(ab, an)):
+                yield (place, i, j), x, y
+        elif not isinstance(ab, tuple) and not isinstance(an, tuple):
+            yield (place, i, None), ab, an
+
+
+def _same_place_constants(base: Trace, new: Trace, merged: Trace) -> frozenset:
+    """Origin pairs of the constants the two traces agree on, issued from a place where
+    `merged` fed a constant that came from a tensor object (`ConstRef.origin`)."""
+    fed = set()
+    for rb, rm in zip(base.records, merged.records):
+        if not rb.location.loops:  # not a pass of a Python loop (TF's backprop: one place)
+            continue
+        for place, b, m in _const_places(rb, rm):
+            if isinstance(b, ConstRef) and b.origin is not None and isinstance(m, FeedRef):
+                fed.add(place)
+    if not fed:
+        return frozenset()
+    force = set()
+    for rb, rn in zip(base.records, new.records):
+        for place, b, n in _const_places(rb, rn):
+            if place in fed and isinstance(b, ConstRef) and isinstance(n, ConstRef) and \
+                    b == n and b.origin is not None and n.origin is not None:
+                force.add((b.origin, n.origin))
+    return frozenset(force)
+
+
+def _generalize(base: Trace, new: Trace, frozen, force):
     feeds, values, records = [], [], []
-    by_base, by_new, by_const = {}, {}, {}
+    by_base, by_new, by_const, by_origin, by_new_const = {}, {}, {}, {}, {}
     changed = fed_constant = False
 
     def slot_for(key_map, key, spec, source, value):
@@ -70,20 +118,38 @@ def generalize(base: Trace, new: Trace, frozen=()):
             if by_new.setdefault(n.slot, s1) != s1:
                 return None
             return FeedRef(s1)
-        if b == n:
+        if b == n and not (isinstance(b, ConstRef) and (b.origin, n.origin) in force):
             return b
         if isinstance(n, ConstRef) and n.dtype != "string":
             shape = tuple(np.shape(n.value))
             if isinstance(b, ConstRef) and b.dtype == n.dtype and tuple(np.shape(b.value)) == shape:
                 changed = fed_constant = True
-                # equal value pairs share a slot (one Python value used by forward and backward)
-                return FeedRef(slot_for(by_const, (b.value, n.value, n.dtype),
-                                        TensorSpec(n.dtype, shape), "python-constant", n.value))
+                # (`force`: equal here, but changed at another pass through the same place)
+                spec, pair = TensorSpec(n.dtype, shape), (b.value, n.value, n.dtype)
+                if b.origin is None or n.origin is None:
+                    # a constant of unknown origin joins the first slot of its values (one
+                    # Python value that forward and backward converted apart)
+                    return FeedRef(slot_for(by_const, pair, spec, "python-constant", n.value))
+                # one tensor object (a slice's bounds, used again by the slice's gradient) is one
+                # slot; two that hold equal values by chance are two
+                s = slot_for(by_origin, (b.origin, n.origin), spec, "python-constant", n.value)
+                by_const.setdefault(pair, s)
+                return FeedRef(s)
             if isinstance(b, FeedRef) and base.feeds[b.slot].source == "python-constant" and \
                     base.feeds[b.slot].spec == TensorSpec(n.dtype, shape):
                 sl = slot_for(by_base, b.slot, base.feeds[b.slot].spec, "python-constant", n.value)
-                fed_constant = True
+                changed = fed_constant = True  # an instance of `base` (filed under its path)
                 return FeedRef(sl) if _same_constant(values[sl], n.value, n.dtype) else None
+        if isinstance(b, ConstRef) and isinstance(n, FeedRef) and b.dtype != "string" and \
+                new.feeds[n.slot].source == "python-constant" and \
+                new.feeds[n.slot].spec == TensorSpec(b.dtype, tuple(np.shape(b.value))):
+            # a constant `new` already feeds (its prefix was run on a generalized path's graph)
+            changed = fed_constant = True
+            s = by_new.get(n.slot)
+            if s is None:
+                s = by_new[n.slot] = slot_for(by_new_const, n.slot, new.feeds[n.slot].spec,
+                                              "python-constant", new.feed_values[n.slot])
+            return FeedRef(s)
         return None
 
     def spec_of(ref):
@@ -269,6 +335,8 @@ class Path:
     roles_seen: int = -1     # `VariableRoles.seq` when its variables were last checked for newer
     by_role: bool = False    # made by `renamed_path` (dropped once its variables are made anew)
     parent: "Path | None" = None  # the path by role it was renamed from
+    late: bool = False       # first seen after the site had a graph (`Session._late_once`)
+    first_seen: int = 0      # the iteration that filed it
 
     @functools.cached_property
     def static(self) -> StaticValues:
@@ -299,6 +367,15 @@ class Path:
         sig = tuple(sig)
         self.__dict__["_switch_sig"] = (graph, sig)
         return sig
+
+    def why_uncompilable(self) -> str | None:
+        """`uncompilable(self.trace, self.units)`, kept while both stay the same objects (a new
+        trace is filed against every path of its site)."""
+        key = (id(self.trace), id(self.units))
+        cached = self.__dict__.get("_why")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_why"] = (key, uncompilable(self.trace, self.units))
+        return cached[1]
 
     def usable_units(self) -> dict:
         return {s: u for s, u in self.units.items() if not u.feeds or s in self.verified}
@@ -451,6 +528,7 @@ def units_for(trace, units) -> dict:
     units that read a non-tensor feed first inside, or hold a host op or an op whose output
     length depends on values, are dropped."""
     out = {}
+    first = None
     for start, u in units.items():
         if any(r.op_type in HOST_OPS for r in trace.records[u.start:u.end]):
             continue  # skipping the unit whole would skip a host op Python must run
@@ -460,7 +538,9 @@ def units_for(trace, units) -> dict:
             # ops from it, which no guard checks: its ops are matched one by one (their
             # constants are checked). A Keras optimizer's sparse update filters its rows so.
             continue
-        feeds = _unit_feeds(trace, u)
+        if first is None:
+            first = _first_uses(trace)
+        feeds = _unit_feeds(trace, u, first)
         if feeds is not None:
             out[start] = GradUnit(u.start, u.end, u.guard, u.result, feeds, u.structure, u.reads,
                                   u.backprop)
@@ -474,21 +554,32 @@ def reads_feed_values(units) -> bool:
     return any(isinstance(r, FeedRef) for u in units.values() for r, _ in u.reads)
 
 
-def _unit_feeds(trace, unit):
+def _first_uses(trace) -> list:
+    """((record, input position), slot) of each feed slot's first use, in trace order."""
+    first = {}
+    for i, rec in enumerate(trace.records):
+        for k, r in enumerate(rec.input_refs()):
+            if isinstance(r, FeedRef) and r.slot not in first:
+                first[r.slot] = (i, k)
+    return sorted((pos, slot) for slot, pos in first.items())
+
+
+def _unit_feeds(trace, unit, first_uses):
     """Slots first used inside `unit` (skip mode puts their recorded objects), or None if one of
-    them is not an EagerTensor (whose identity, hence value, is stable: TF's cached constants)."""
+    them is not an EagerTensor (whose identity, hence value, is stable: TF's cached constants).
+    `first_uses`: `_first_uses(trace)`."""
     # tensors the guard names as feeds (a tf.function's data arguments): the caller feeds them
-    seen = {g.slot for g in unit.guard if isinstance(g, FeedRef)}
-    for rec in trace.records[:unit.start]:
-        seen.update(r.slot for r in rec.input_refs() if isinstance(r, FeedRef))
+    guarded = {g.slot for g in unit.guard if isinstance(g, FeedRef)}
     inside = []
-    for rec in trace.records[unit.start:unit.end]:
-        for r in rec.input_refs():
-            if isinstance(r, FeedRef) and r.slot not in seen:
-                if not isinstance(trace.feed_values[r.slot], tfp.EagerTensorBase):
-                    return None
-                seen.add(r.slot)
-                inside.append(r.slot)
+    for k in range(bisect.bisect_left(first_uses, ((unit.start, -1), -1)), len(first_uses)):
+        (i, _), slot = first_uses[k]
+        if i >= unit.end:
+            break
+        if slot in guarded:
+            continue
+        if not isinstance(trace.feed_values[slot], tfp.EagerTensorBase):
+            return None
+        inside.append(slot)
     return tuple(inside)
 
 

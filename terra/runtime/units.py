@@ -63,6 +63,8 @@ def gradient(session, tape, target, sources, output_gradients, unconnected_gradi
             with session.internal():
                 flat = it.runner.gradient_unit(guard)
                 unit = it.runner.last_unit
+            if tfp.gradient_taken(tape):
+                it.tape_exited(tape)  # eager's tape stops here (a gradient inside its `with`)
             if unit.structure is not None:
                 return tf.nest.pack_sequence_as(unit.structure, flat, expand_composites=True)
             return tf.nest.pack_sequence_as(sources, flat)

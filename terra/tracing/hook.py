@@ -17,6 +17,8 @@ import functools
 import threading
 from typing import Any, Callable
 
+import numpy as np
+
 from terra import _tf_private as tfp
 
 _get_ident = threading.get_ident
@@ -57,6 +59,10 @@ class Interceptor:
 
     def converted(self, value, dtype, tensor) -> None:
         """`value` (Python or NumPy) became eager tensor `tensor` without running an op."""
+
+    def value_copy(self, tensor, value) -> None:
+        """`tensor_util.constant_value` gave NumPy `value`, a copy of eager `tensor` (TF's
+        gradient code turns a forward op's inputs into constants so)."""
 
     def variable_handle(self, variable, handle) -> None:
         """Resource variable `variable` handed out its `handle` tensor."""
@@ -215,12 +221,41 @@ def _wrap_constant_value(orig):
             return orig(tensor, partial)
         _busy = True
         try:
-            if isinstance(tensor, tfp.EagerTensorBase):
-                _active.fetch(tensor, "constant_value")
-            return orig(tensor, partial)
+            if not isinstance(tensor, tfp.EagerTensorBase):
+                return orig(tensor, partial)
+            _active.fetch(tensor, "constant_value")
+            value = orig(tensor, partial)
+            if isinstance(value, np.ndarray):
+                _active.value_copy(tensor, value)
+            return value
         finally:
             _busy = False
     return constant_value
+
+
+def _wrap_array_function(orig):
+    """NumPy functions given an eager tensor (`np.squeeze(t)`, `np.argmax(t)`) read it through the
+    buffer protocol, which calls no Python method of the tensor. While the hook is installed,
+    eager tensors take part in NumPy's function dispatch (`__array_function__`, NEP 18) only to
+    report those reads; NumPy's own implementation then runs, as for an ndarray. Operators stay
+    as they are (no `__array_ufunc__`). `orig` is `_ABSENT`: TF defines none."""
+    def __array_function__(self, func, types, args, kwargs):
+        if _intercepting():
+            for t in _tensors_in(args, kwargs):
+                _notify(_active.fetch, t, "array")
+        return func._implementation(*args, **kwargs)
+    return __array_function__
+
+
+def _tensors_in(args, kwargs):
+    """Eager tensors among NumPy call arguments, and one level into lists and tuples."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, tfp.EagerTensorBase):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                if isinstance(x, tfp.EagerTensorBase):
+                    yield x
 
 
 # The patch table: (owner, attribute, wrapper factory). Order matters only for uninstall (reverse).
@@ -300,6 +335,13 @@ def _unit_table():
     return table
 
 
+# ----------------------------------------------------------------------------- gradient rules
+# Registered gradient functions replaced while the hook is installed, keyed by op type: each
+# gives eager's values and keeps the forward op's own input tensors where TF's makes copies.
+GRADIENT_RULES = {"StridedSlice": tfp.strided_slice_gradient}
+_GRADIENT_ENTRIES = {op_type: tfp.GradientEntry(op_type) for op_type in GRADIENT_RULES}
+
+
 def _patch_table():
     table = [(tfp.pywrap_tfe_module, tfp.FAST_PATH_ATTR, _wrap_fast_path),
              (tfp.execute_module, "quick_execute", _wrap_execute),
@@ -311,12 +353,20 @@ def _patch_table():
              (tfp.BaseResourceVariable, "handle", _wrap_handle),
              (tfp.ResourceVariable, tfp.VARIABLE_INIT_ATTR, _wrap_variable_init)]
     table += [(tfp.EagerTensorBase, m, _wrap_fetch(how)) for m, how in FETCH_METHODS.items()]
+    table.append((tfp.EagerTensorBase, "__array_function__", _wrap_array_function))
+    table += [(_GRADIENT_ENTRIES[t], "fn", rule) for t, rule in GRADIENT_RULES.items()]
     return table + _unit_table()
+
+
+# What `_raw` gives for an attribute a class does not define (install adds it, uninstall deletes it).
+_ABSENT = object()
 
 
 def _raw(owner, attr):
     """The attribute as stored (a property object rather than its value for classes)."""
-    return owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+    if isinstance(owner, type):
+        return owner.__dict__.get(attr, _ABSENT)
+    return getattr(owner, attr)
 
 
 def patched_attributes() -> list:
@@ -347,7 +397,11 @@ def uninstall() -> None:
     if _active is not None:
         raise RuntimeError("terra hook: uninstall() while an interceptor is active")
     for owner, attr in reversed(list(_originals)):  # what install replaced, newest first
-        setattr(owner, attr, _originals.pop((owner, attr)))
+        orig = _originals.pop((owner, attr))
+        if orig is _ABSENT:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, orig)
 
 
 def installed() -> bool:

@@ -245,6 +245,9 @@ class Recorder(hook.Interceptor):
         self._produced: dict = {}   # id(tensor) -> (tensor, OutputRef)
         self._born: dict = {}       # id(tensor) -> (tensor, python value): converted this iteration
         self._library_arrays: set = set()  # ids of `_born` tensors made from library-made arrays
+        self._origins: dict = {}    # id(tensor) -> (tensor, n): `ConstRef.origin` of a constant
+        self._next_origin = 0
+        self._copies: dict = {}     # id(array) -> (array, tensor): constant_value copies
         self._feeds: dict = {}      # id(obj) -> (obj, FeedRef)
         self._handles: dict = {}    # id(handle) -> (handle, variable or None)
         self._functions: dict = {}  # name -> AtomicFunction seen via call_flat
@@ -278,6 +281,8 @@ class Recorder(hook.Interceptor):
         hook.uninstall()
         self._born.clear()
         self._library_arrays.clear()
+        self._origins.clear()
+        self._copies.clear()
         return self.trace
 
     def __enter__(self) -> "Recorder":
@@ -316,6 +321,31 @@ class Recorder(hook.Interceptor):
         self._born[id(tensor)] = (tensor, value)
         if isinstance(value, np.ndarray) and self._small_array(value) and _made_in_library(value):
             self._library_arrays.add(id(tensor))  # (`_born` keeps the tensor alive)
+
+    def value_copy(self, tensor, value) -> None:
+        # a copy of a constant or feed (not of an op's output: those stay reads) is that
+        # constant or feed where an op takes it (a slice's bounds in the slice's gradient)
+        if value.size <= self.const_limit and self.ref_of(tensor) is None and \
+                tensor.dtype.name not in ("resource", "variant", "string"):
+            self._copies[id(value)] = (value, tensor)
+
+    def _copied(self, v, dtype):
+        """The tensor NumPy `v` is an unchanged `constant_value` copy of, or None."""
+        e = self._copies.get(id(v))
+        if e is None or e[0] is not v:
+            return None
+        t = e[1]
+        if (dtype or tf.as_dtype(v.dtype).name) != t.dtype.name or v.dtype != t.dtype.as_numpy_dtype \
+                or not np.array_equal(v, t.numpy()):
+            return None
+        return t
+
+    def _origin(self, tensor) -> int:
+        e = self._origins.get(id(tensor))
+        if e is None or e[0] is not tensor:
+            e = self._origins[id(tensor)] = (tensor, self._next_origin)
+            self._next_origin += 1
+        return e[1]
 
     def variable_handle(self, variable, handle) -> None:
         self._handles[id(handle)] = (handle, variable)
@@ -516,11 +546,13 @@ class Recorder(hook.Interceptor):
             if born is not None and born[0] is v and is_python_value(born[1]):
                 if v.shape.num_elements() <= self.const_limit and v.dtype.name != "string" or \
                         v.dtype.name == "string" and v.shape.rank == 0:
-                    return ConstRef(frozen_value(born[1], v.dtype.name), v.dtype.name)
+                    return ConstRef(frozen_value(born[1], v.dtype.name), v.dtype.name,
+                                    self._origin(v))
                 return self._feed(v, _spec(v), "python-constant")
             if born is not None and born[0] is v and isinstance(born[1], np.ndarray):
                 if id(v) in self._library_arrays and v.dtype.name != "string":
-                    return ConstRef(frozen_value(born[1], v.dtype.name), v.dtype.name)
+                    return ConstRef(frozen_value(born[1], v.dtype.name), v.dtype.name,
+                                    self._origin(v))
                 # The user's array is the feed value, so it can be substituted by identity.
                 return self._feed(v, _spec(v), "numpy", value=born[1])
             return self._feed(v, _spec(v), "eager-tensor")
@@ -529,6 +561,9 @@ class Recorder(hook.Interceptor):
             self._handles.setdefault(id(h), (h, v))
             return self._variable(h)
         if isinstance(v, np.ndarray):
+            t = self._copied(v, dtype)
+            if t is not None:
+                return self._ref(t, dtype)
             d = dtype or tf.as_dtype(v.dtype).name
             return self._feed(v, TensorSpec(d, tuple(v.shape)), "numpy")
         if is_python_value(v):
@@ -657,6 +692,9 @@ class ContinuingRecorder(Recorder):
         """Start from `trace.records[:upto]` whose outputs are `env[(record, index)]`."""
         t = self.trace
         t.records = [_as_replayed(r, env) for r in trace.records[:upto]]
+        self._next_origin = 1 + max((r.origin for rec in t.records for r in rec.input_refs()
+                                     if isinstance(r, ConstRef) and r.origin is not None),
+                                    default=-1)
         used = sorted(feed_values)
         if used != list(range(len(used))):
             raise ValueError(f"fallback: fed slots {used} are not a prefix of the feed table")
@@ -694,6 +732,10 @@ class ContinuingRecorder(Recorder):
 
     def _ref(self, v, dtype):
         v = _real(v)
+        if isinstance(v, np.ndarray):
+            t = self._copied(v, dtype)
+            if t is not None:  # a copy of a constant or feed the forward pass took
+                return self._ref(t, dtype)
         if not self.in_unit:  # NumPy values are data; inside tape.gradient, TF's shape constants
             return super()._ref(v, dtype)
         known = self._feeds.get(id(v)) or self._produced.get(id(v))
@@ -708,7 +750,8 @@ class ContinuingRecorder(Recorder):
             born = self._born.get(id(v))
             if born is not None and born[0] is v and isinstance(born[1], (np.ndarray, np.generic)) \
                     and born[1].size <= self.const_limit and v.dtype.name != "string":
-                return ConstRef(frozen_value(born[1], v.dtype.name), v.dtype.name)
+                return ConstRef(frozen_value(born[1], v.dtype.name), v.dtype.name,
+                                self._origin(v))
         elif isinstance(v, (np.ndarray, np.generic)) and v.size <= self.const_limit and \
                 v.dtype.kind in "biuf":
             d = dtype or tf.as_dtype(v.dtype).name

@@ -41,10 +41,10 @@ def test_gradient_of_a_slice_at_a_computed_index_equals_eager():
     terra.end_iteration()
     _equal(got, eager)
     s, explain = terra.stats(), terra.explain()
-    # one path per index value (the gradient's bounds are constants made from it), then
-    # switches between them at the gradient unit
-    assert (s["traces"], s["graph_builds"], s["fallbacks"]) == (6, 3, 2), explain
-    assert "a value the unit's Python read has changed" in explain
+    # the slice's gradient takes the slice's own bounds (graph values), not NumPy copies of
+    # them (hook.GRADIENT_RULES): one path serves every index
+    assert (s["traces"], s["graph_builds"], s["fallbacks"]) == (2, 1, 0), explain
+    assert "a value the unit's Python read has changed" not in explain
 
 
 def _sampled_index(Tape, steps=24):
@@ -75,6 +75,79 @@ def test_gradient_of_a_slice_at_a_sampled_python_index_equals_eager():
     # 3; the first other action (iteration 12) falls back once and generalizes p1 to p2 (the
     # index a feed), built, which runs every later iteration
     c.assert_counts(traces=4, graph_builds=2, fallbacks=1)
+
+
+def _sampled_episodes(Tape, episodes=16, steps=5):
+    """The keras-io actor-critic's shape: each episode under one tape, an action sampled from
+    the policy at every step (`np.squeeze(probs)`), `log(probs[0, action])` and the critic's
+    value per step, returns from NumPy, and the gradient and the update taken inside the
+    tape's `with`."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((4,))
+    h = keras.layers.Dense(8, activation="relu")(inp)
+    model = keras.Model(inp, [keras.layers.Dense(2, activation="softmax")(h),
+                              keras.layers.Dense(1)(h)])
+    opt = keras.optimizers.Adam(0.01)
+    rng = np.random.RandomState(1)
+    losses = []
+    for _ in range(episodes):
+        state = rng.uniform(-1, 1, 4).astype(np.float32)
+        log_probs, values = [], []
+        with Tape() as tape:
+            for _ in range(steps):
+                probs, value = model(tf.expand_dims(tf.convert_to_tensor(state), 0))
+                values.append(value[0, 0])
+                action = np.random.choice(2, p=np.squeeze(probs))
+                log_probs.append(tf.math.log(probs[0, action]))
+                state = (state + (0.1 if action else -0.1)).astype(np.float32)
+            returns = np.cumsum(rng.uniform(size=steps)).tolist()
+            loss = sum(-lp * (r - v) for lp, r, v in zip(log_probs, returns, values))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            log_probs.clear()  # (as the example clears its histories)
+            values.clear()
+        losses.append(float(loss))
+    return [np.array(losses)] + [v.numpy() for v in model.weights]
+
+
+def test_actions_sampled_at_every_step_of_an_episode_are_feeds_of_one_path():
+    """Each step's `probs[0, action]` and its gradient take one feed (the bounds are one tensor
+    object: ConstRef.origin), two episodes that agree on a step's action by chance do not pin
+    it (a constant fed at one pass of a loop is fed at every pass), and the NumPy reads of the
+    probabilities are seen while tracing: two traces after the first, one build, no fallback."""
+    eager = _sampled_episodes(tf.GradientTape)
+    with CompileCounter() as c:
+        got = _sampled_episodes(tf.TerraGradientTape)
+    _equal(got, eager)
+    c.assert_counts(traces=3, graph_builds=1, fallbacks=0, path_switches=0)
+
+
+def _second_gradient(Tape, steps=6, twice_at=4):
+    w = tf.Variable(2.0)
+    out = []
+    for i in range(steps):
+        with Tape() as tape:
+            loss = w * w
+            g = tape.gradient(loss, w)
+            if i == twice_at:
+                try:
+                    tape.gradient(loss, w)
+                    out.append("no error")
+                except RuntimeError as e:
+                    out.append(f"RuntimeError: {e}")
+        w.assign_sub(0.1 * g)
+        out.append(float(w.numpy()))
+    return out
+
+
+def test_a_second_gradient_of_a_non_persistent_tape_raises_as_in_eager():
+    """A gradient the graph computed leaves the tape as eager's does (off the stack, no state):
+    a second `gradient` raises eager's RuntimeError, after a fallback."""
+    eager = _second_gradient(tf.GradientTape)
+    with CompileCounter() as c:
+        got = _second_gradient(tf.TerraGradientTape)
+    assert got == eager and "RuntimeError: A non-persistent GradientTape" in str(eager), got
+    c.assert_counts(traces=3, graph_builds=1, fallbacks=1)
 
 
 def _loss_scaled(Tape, steps=30, overflow_at=25):

@@ -84,6 +84,45 @@ def test_fetch_points():
         assert f.after_record > f.ref.record
 
 
+def test_numpy_functions_are_fetch_points_and_buffer_reads_are_not_seen():
+    """`np.squeeze(t)` reads `t` through NumPy's function dispatch, which the hook joins
+    (`__array_function__`); `np.asarray(t)` reads it through the buffer protocol, unseen."""
+    with Recorder() as rec:
+        y = X * 2.0
+        np.squeeze(y)
+        np.concatenate([y, y])
+        np.asarray(y)
+    assert [(f.ref, f.how) for f in rec.trace.fetches] == [(OutputRef(0), "array")] * 3
+
+
+def test_constant_origins_name_tensor_objects():
+    """Two constants holding equal values are two origins; a slice's bounds keep theirs in the
+    slice's gradient (the hook's StridedSlice rule passes the bound tensors themselves)."""
+    w = tf.Variable([[1.0, 2.0]])
+    with Recorder() as rec:
+        with tf.GradientTape() as tape:
+            total = w[0, 1] + w[0, 1]
+        tape.gradient(total, w)
+    slices = [r for r in rec.trace.records if r.op_type == "StridedSlice"]
+    grads = [r for r in rec.trace.records if r.op_type == "StridedSliceGrad"]
+    assert len(slices) == 2 and len(grads) == 2
+    fwd = [r.inputs[1] for r in slices]
+    assert fwd[0] == fwd[1] == ConstRef((0, 1), "int32")      # equal by value ...
+    assert fwd[0].origin is not None and fwd[0].origin != fwd[1].origin   # ... not one object
+    assert {g.inputs[1].origin for g in grads} == {f.origin for f in fwd}
+
+
+def test_a_constant_value_copy_is_its_tensor_where_an_op_takes_it():
+    """A NumPy copy (`constant_value`) of a constant, passed to an op, is that constant."""
+    with Recorder() as rec:
+        axis = tf.constant([0])
+        y = tf.reduce_sum(X, axis=axis)
+        tf.reduce_sum(y, axis=tensor_util.constant_value(axis))
+    sums = [r for r in rec.trace.records if r.op_type == "Sum"]
+    assert sums[0].inputs[1] == sums[1].inputs[1] == ConstRef((0,), "int32")
+    assert sums[0].inputs[1].origin == sums[1].inputs[1].origin is not None
+
+
 def test_unsupported_ops_are_named_and_iteration_still_runs():
     tl = tf.raw_ops.EmptyTensorList(element_shape=[2], max_num_elements=-1,
                                     element_dtype=tf.float32)
