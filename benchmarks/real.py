@@ -39,6 +39,9 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 30 steps, 1 round")
     ap.add_argument("--out", help="output folder (default benchmarks/results, quick: .../quick)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per program process")
+    ap.add_argument("--update", action="store_true",
+                    help="rerun only --programs and keep the other programs' rows of the existing "
+                         "real.json (each row names the run it comes from)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -196,6 +199,14 @@ def markdown(results: dict) -> str:
              "",
              "| program | equal to eager | compiled | traces / fallbacks / builds | eager ms | Terra ms | tf.function ms | Terra vs eager | Terra vs tf.function | whole run vs eager |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    runs = {r.get("run") for r in results["programs"]}
+    if len(runs) > 1:  # rows kept from earlier runs (--update): each says which run it is from
+        lines[2] = lines[2].replace(f"{meta['date']}, ", "", 1).replace(
+            f"commit {meta['git_commit']}; ", "", 1)
+        lines.insert(3, "")
+        lines.insert(4, "Rows from several runs: " + "; ".join(
+            f"{', '.join(r['program'] for r in results['programs'] if r.get('run') == run)}: {run}"
+            for run in sorted(runs, key=str)) + ".")
     for r in results["programs"]:
         m = r["modes"]
         eq = r["equal"]
@@ -242,6 +253,25 @@ def run_one(name, a):
             "terra_vs_function": None, "whole_run_vs_eager": None, "explain_tail": []}
 
 
+def _run_label(meta) -> str:
+    return f"{meta['date']}, commit {meta['git_commit']}"
+
+
+def _merged(path, new) -> dict:
+    """`new`'s rows in place of the same programs' rows of the results at `path` (the others
+    kept, each labelled with the run it comes from); the settings must agree."""
+    with open(path) as f:
+        old = json.load(f)
+    if (old["size"], old["steps"], old["rounds"]) != (new["size"], new["steps"], new["rounds"]):
+        raise SystemExit(f"--update: {path} was run with other settings")
+    rows = {r["program"]: r for r in new["programs"]}
+    merged = []
+    for r in old["programs"]:
+        r.setdefault("run", _run_label(old["meta"]))
+        merged.append(rows.pop(r["program"], r))
+    return dict(new, programs=merged + list(rows.values()))
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     a = parse_args(argv)
@@ -251,7 +281,11 @@ def main(argv=None):
                "programs": []}
     for name in a.programs:
         print(f"{name} ...", flush=True)
-        results["programs"].append(run_one(name, a))
+        row = run_one(name, a)
+        row["run"] = _run_label(results["meta"])
+        results["programs"].append(row)
+    if a.update:
+        results = _merged(os.path.join(a.out, "real.json"), results)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "real.json"), "w") as f:
         json.dump(results, f, indent=1)
