@@ -61,22 +61,6 @@ _BUILDS_PER_TRACE_LIMIT = 2  # a site stays eager after this many builds per `ma
 # ... or once this many paths first seen after it compiled were seen once while no graph of the
 # site ever served an iteration (every episode of another length)
 _CHURN_PATHS = 4
-# A site that has compiled builds a new path's graph when it first sees the path (a random branch
-# among several: served from then on), while fewer than this many of its graphs built so are
-# unused after _FIRST_SIGHT_WINDOW iterations (paths seen once, never served: episodes of rare
-# lengths); then at the path's second sighting.
-_FIRST_SIGHT_UNUSED = 2
-_FIRST_SIGHT_WINDOW = 4
-
-
-def _unused_once(site, number) -> int:
-    """Graphs of the site built for a path seen once, at least _FIRST_SIGHT_WINDOW iterations
-    before iteration `number`, that never served an iteration."""
-    return sum(1 for p in site.paths.values()
-               if p.graph is not None and p.count == 1 and not p.hits and p.group is None and
-               number - p.first_seen >= _FIRST_SIGHT_WINDOW)
-
-
 def _late_once(site) -> int:
     """Paths first seen after the site compiled, seen once, never served (built or not)."""
     return sum(1 for p in site.paths.values()
@@ -410,7 +394,7 @@ class Session:
                     break
         new = path is None
         if new:
-            path = Path(sig, trace, units, id=site.new_path_id(), first_seen=it.number,
+            path = Path(sig, trace, units, id=site.new_path_id(),
                         late=any(p.graph is not None for p in site.paths.values()))
             site.paths[sig] = path
         elif path.by_role:
@@ -442,9 +426,8 @@ class Session:
             # a new shape on a group's graph costs this trace and no build: bounded per shape
             # (a site whose shapes never repeat gives up through the churn rule below)
             site.known_fallbacks += 1
-        first_sight = any(p.graph is not None for p in site.paths.values()) and \
-            _unused_once(site, it.number) < _FIRST_SIGHT_UNUSED
-        if why is None and (path.count >= 2 or first_sight) and path.stale:
+        compiled_before = any(p.graph is not None for p in site.paths.values())
+        if why is None and (path.count >= 2 or compiled_before) and path.stale:
             self.builds.build(site, path, it.number)
             if new and path.rebound is not None and it.fallback_gap is not None and \
                     it.fallback_gap >= KNOWN_REUSE_GAP:

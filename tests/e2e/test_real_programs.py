@@ -24,7 +24,7 @@ EXACT = {"scratch_mnist", "custom_walkthrough", "text_generation", "actor_critic
 COUNTS = {
     "scratch_mnist": (4, 1, 2), "custom_walkthrough": (5, 2, 2), "dcgan": (8, 5, 2),
     "cvae": (4, 1, 1), "wgan_gp": (7, 3, 4), "vae_keras": (5, 2, 3), "text_generation": (4, 1, 2),
-    "nmt_attention": (4, 1, 2), "actor_critic": (6, 3, 4), "dqn": (14, 10, 8),
+    "nmt_attention": (4, 1, 2), "actor_critic": (6, 3, 4), "dqn": (13, 9, 10),
     "reptile": (11, 8, 4), "style_transfer": (3, 0, 1),
 }
 # reptile: one more trace, fallback and build since its functional model's call is one unit
@@ -38,9 +38,6 @@ COUNTS = {
 # (ConstRef.origin), and every step's action is fed once any step's changed (generalize), so a
 # length's path serves every episode of that length; `np.squeeze(probs)` is a read seen while
 # tracing (the hook's `__array_function__`).
-# dqn: two builds less, one trace and fallback more, since a site that has compiled builds a
-# path at its first sighting only while fewer than 2 graphs built so are unused 4 iterations on
-# (session._FIRST_SIGHT_UNUSED): paths p9 and p10 (iterations 14, 16) are built when seen again.
 # program -> why it stays eager (a phrase of terra.explain()); every other program compiles.
 EAGER_BECAUSE: dict = {}
 FAST = {"scratch_mnist", "custom_walkthrough", "cvae", "text_generation", "actor_critic",

@@ -92,9 +92,8 @@ def test_a_new_trip_count_every_step_stays_eager_after_four_paths_seen_once():
     why = terra.explain()
     assert "site stays eager: 5 graph builds and 4 paths seen once since it compiled served " \
            "no compiled iteration: its paths keep changing" in why, why
-    # builds: p1 (seen twice), then 4 paths seen once (a site that compiled builds a new path at
-    # once while fewer than 2 graphs built so are unused 4 iterations on); 4 such paths and no
-    # compiled iteration: eager
+    # builds: p1 (seen twice), then 4 paths seen once (a site that has compiled builds a new
+    # path at once); 4 such paths and no compiled iteration: eager
     assert _counts() == (7, 4, 5), why
 
 
