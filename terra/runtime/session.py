@@ -467,11 +467,16 @@ class Session:
             # early; paths seen twice (a few branches or lengths in turn) do
             # not count, nor does a site whose graphs run at times (a random branch among many:
             # each path is built once and served from then on)
-            churn = f"{site.builds} graph builds and {late_once} paths seen once since it " \
-                f"compiled" if late_once >= _CHURN_PATHS else \
-                f"{unused_members} shapes traced once each on a shape group's graph"
-            self._go_eager(site, it.number, f"{churn} served no compiled iteration: its "
-                           f"paths keep changing")
+            if late_once >= _CHURN_PATHS and not hits:
+                why_eager = f"{site.builds} graph builds and {late_once} paths seen once since " \
+                    f"it compiled served no compiled iteration"
+            elif unused_members >= CONFIG.max_traces and not hits:
+                why_eager = f"{unused_members} shapes traced once each on a shape group's " \
+                    f"graph served no compiled iteration"
+            else:  # (the message names the rule that fired, not the first one worded)
+                why_eager = f"{site.builds} graph builds, the limit of " \
+                    f"{_BUILDS_PER_TRACE_LIMIT} x max_traces"
+            self._go_eager(site, it.number, f"{why_eager}: its paths keep changing")
         if site.fallbacks - site.known_fallbacks >= CONFIG.max_fallbacks and \
                 site.eager_reason is None:
             self._go_eager(site, it.number, f"{site.fallbacks - site.known_fallbacks} fallbacks")

@@ -106,3 +106,24 @@ def test_a_few_trip_counts_in_turn_keep_compiling():
     why = terra.explain()
     assert "site stays eager" not in why, why
     assert _counts() == (9, 3, 4), why
+
+
+def test_the_build_limit_is_named_when_it_ends_a_site_that_compiled():
+    """A site whose graphs do serve iterations still stays eager at 2 x max_traces builds, and
+    says so (not that its graphs served nothing)."""
+    lengths = [2, 2, 2, 2, 3, 4, 5, 6, 7, 8, 2, 2]
+    old = terra.config(max_traces=3)
+    try:
+        eager = _program(tf.GradientTape, lengths)
+        got = _program(tf.TerraGradientTape, lengths)
+        terra.end_iteration()
+    finally:
+        terra.config(**old)
+    _same(got, eager)
+    why = terra.explain()
+    assert "site stays eager: 6 graph builds, the limit of 2 x max_traces: its paths keep " \
+           "changing" in why, why
+    assert "served no compiled iteration" not in why, why
+    # traces: 1 (optimizer state), 2 and 3 (p1, built, served at 4), then steps 5-9: each new
+    # trip count a fallback and a build at first sight
+    assert _counts() == (8, 5, 6), why
