@@ -19,7 +19,8 @@ class Config:
       the next sync point, as with TF's asynchronous execution; False: each iteration's graph
       ends before the next iteration begins).
     max_traces: distinct traces per iteration site before that site stays eager (one warning);
-      a site also stays eager after 2 x max_traces graph builds, or once 4 paths first seen
+      a site also stays eager after 2 x max_traces graph builds (unless its graphs served more
+      iterations than it built graphs), or once 4 paths first seen
       after it compiled were seen only once while none of its graphs ever served an iteration
       (its paths keep changing).
     max_fallbacks: fallbacks per site before it stays eager. A fallback onto a path the site has

@@ -37,9 +37,9 @@ class Builds:
         self.go_eager = go_eager    # go_eager(site, iteration number, reason)
         self.builder = Builder()    # graphs built off the critical path
 
-    def build(self, site, path, number):
+    def build(self, site, path, number, reuse_only=False):
         """Give `path` a graph: another path's over its variables, or its own, built here or
-        (`background_builds`) submitted to the builder."""
+        (`background_builds`) submitted to the builder; with `reuse_only`, only another's."""
         if path.group is not None:
             self.build_group(site, path.group, number)
             return
@@ -47,11 +47,13 @@ class Builds:
             return
         t = time.perf_counter()
         with self.internal():
+            shared = self.reuse(site, path)
+            if shared is None and reuse_only:
+                return
             if path.view is None:
                 path.view = PathView(path.trace, path.usable_units(), site.key, site.caller_step_try)
             if path.snapshot is None:
                 path.snapshot = Snapshot.of(written_variables(path.trace))
-            shared = self.reuse(site, path)
             if shared is not None:
                 path.built_for = path.build_key()
                 self.counters.graph_reuses += 1

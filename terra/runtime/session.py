@@ -57,10 +57,29 @@ from terra.tracing.locations import caller_step_try
 
 
 # ------------------------------------------------------------------------------------ session
-_BUILDS_PER_TRACE_LIMIT = 2  # a site stays eager after this many builds per `max_traces`
+# A site stays eager after this many builds per `max_traces` while its builds are not outnumbered
+# by the iterations its graphs served (a site whose common path runs most iterations affords a
+# build for each rarer path it sees twice)
+_BUILDS_PER_TRACE_LIMIT = 2
 # ... or once this many paths first seen after it compiled were seen once while no graph of the
 # site ever served an iteration (every episode of another length)
 _CHURN_PATHS = 4
+# A site that has compiled builds a new path's graph when it first sees the path (a random branch
+# among several: served from then on), while fewer than this many of its graphs built so are
+# unused after _FIRST_SIGHT_WINDOW iterations (paths seen once, never served: episodes of rare
+# lengths); then at the path's second sighting.
+_FIRST_SIGHT_UNUSED = 2
+_FIRST_SIGHT_WINDOW = 2
+
+
+def _unused_once(site, number) -> int:
+    """Graphs of the site built for a path seen once, at least _FIRST_SIGHT_WINDOW iterations
+    before iteration `number`, that never served an iteration."""
+    return sum(1 for p in site.paths.values()
+               if p.graph is not None and p.count == 1 and not p.hits and p.group is None and
+               number - p.first_seen >= _FIRST_SIGHT_WINDOW)
+
+
 def _late_once(site) -> int:
     """Paths first seen after the site compiled, seen once, never served (built or not)."""
     return sum(1 for p in site.paths.values()
@@ -394,7 +413,7 @@ class Session:
                     break
         new = path is None
         if new:
-            path = Path(sig, trace, units, id=site.new_path_id(),
+            path = Path(sig, trace, units, id=site.new_path_id(), first_seen=it.number,
                         late=any(p.graph is not None for p in site.paths.values()))
             site.paths[sig] = path
         elif path.by_role:
@@ -427,8 +446,13 @@ class Session:
             # (a site whose shapes never repeat gives up through the churn rule below)
             site.known_fallbacks += 1
         compiled_before = any(p.graph is not None for p in site.paths.values())
-        if why is None and (path.count >= 2 or compiled_before) and path.stale:
-            self.builds.build(site, path, it.number)
+        first_sight = compiled_before and _unused_once(site, it.number) < _FIRST_SIGHT_UNUSED
+        if why is None and path.stale and (path.count >= 2 or compiled_before):
+            # past the first-sight budget a new path still takes another path's graph over its
+            # own variables at once (no build: a task's model made anew), and is built only
+            # when seen again
+            self.builds.build(site, path, it.number,
+                              reuse_only=not (path.count >= 2 or first_sight))
             if new and path.rebound is not None and it.fallback_gap is not None and \
                     it.fallback_gap >= KNOWN_REUSE_GAP:
                 site.known_fallbacks += 1  # a bounded cost per occurrence: see KNOWN_REUSE_GAP
@@ -458,7 +482,7 @@ class Session:
         unused_members = sum(1 for p in site.paths.values()
                              if p.group is not None and p.count == 1 and not p.hits)
         if site.eager_reason is None and (
-                site.builds >= _BUILDS_PER_TRACE_LIMIT * CONFIG.max_traces or
+                site.builds >= max(_BUILDS_PER_TRACE_LIMIT * CONFIG.max_traces, hits + 1) or
                 late_once >= _CHURN_PATHS and not hits or
                 unused_members >= CONFIG.max_traces and not hits):
             # its paths keep changing (an episode of another length every step): each new path
@@ -475,7 +499,7 @@ class Session:
                     f"graph served no compiled iteration"
             else:  # (the message names the rule that fired, not the first one worded)
                 why_eager = f"{site.builds} graph builds, the limit of " \
-                    f"{_BUILDS_PER_TRACE_LIMIT} x max_traces"
+                    f"{_BUILDS_PER_TRACE_LIMIT} x max_traces, for {hits} compiled iterations"
             self._go_eager(site, it.number, f"{why_eager}: its paths keep changing")
         if site.fallbacks - site.known_fallbacks >= CONFIG.max_fallbacks and \
                 site.eager_reason is None:

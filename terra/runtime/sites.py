@@ -336,6 +336,7 @@ class Path:
     by_role: bool = False    # made by `renamed_path` (dropped once its variables are made anew)
     parent: "Path | None" = None  # the path by role it was renamed from
     late: bool = False       # first seen after the site had a graph (`Session._late_once`)
+    first_seen: int = 0      # the iteration that filed it
 
     @functools.cached_property
     def static(self) -> StaticValues:

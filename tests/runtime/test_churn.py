@@ -90,11 +90,13 @@ def test_a_new_trip_count_every_step_stays_eager_after_four_paths_seen_once():
     terra.end_iteration()
     _same(got, eager)
     why = terra.explain()
-    assert "site stays eager: 5 graph builds and 4 paths seen once since it compiled served " \
+    assert "site stays eager: 4 graph builds and 4 paths seen once since it compiled served " \
            "no compiled iteration: its paths keep changing" in why, why
-    # builds: p1 (seen twice), then 4 paths seen once (a site that has compiled builds a new
-    # path at once); 4 such paths and no compiled iteration: eager
-    assert _counts() == (7, 4, 5), why
+    # builds: p1 (seen twice), then p2-p4 at first sight (a site that has compiled builds a new
+    # path at once while fewer than 2 graphs so built are unused 2 iterations on); p5 finds p2
+    # and p3 unused and waits for a second sighting; 4 paths seen once and no compiled
+    # iteration: eager
+    assert _counts() == (7, 4, 4), why
 
 
 def test_a_few_trip_counts_in_turn_keep_compiling():
@@ -109,9 +111,9 @@ def test_a_few_trip_counts_in_turn_keep_compiling():
 
 
 def test_the_build_limit_is_named_when_it_ends_a_site_that_compiled():
-    """A site whose graphs do serve iterations still stays eager at 2 x max_traces builds, and
-    says so (not that its graphs served nothing)."""
-    lengths = [2, 2, 2, 2, 3, 4, 5, 6, 7, 8, 2, 2]
+    """A site whose graphs serve fewer iterations than it builds graphs stays eager at
+    2 x max_traces builds, and says so (not that its graphs served nothing)."""
+    lengths = [2, 2, 2, 2, 3, 4, 3, 4, 5, 6, 5, 6, 7, 8, 7, 8, 2, 2]
     old = terra.config(max_traces=3)
     try:
         eager = _program(tf.GradientTape, lengths)
@@ -121,9 +123,33 @@ def test_the_build_limit_is_named_when_it_ends_a_site_that_compiled():
         terra.config(**old)
     _same(got, eager)
     why = terra.explain()
-    assert "site stays eager: 6 graph builds, the limit of 2 x max_traces: its paths keep " \
-           "changing" in why, why
+    assert "site stays eager: 6 graph builds, the limit of 2 x max_traces, for 5 compiled " \
+           "iterations: its paths keep changing" in why, why
     assert "served no compiled iteration" not in why, why
-    # traces: 1 (optimizer state), 2 and 3 (p1, built, served at 4), then steps 5-9: each new
-    # trip count a fallback and a build at first sight
+    # traces: 1 (optimizer state), 2 and 3 (p1, built, served at 4), then each new trip count a
+    # fallback and a build at first sight, served when seen again: 6 builds, 5 served iterations
     assert _counts() == (8, 5, 6), why
+
+
+def test_a_site_whose_graphs_serve_more_iterations_than_it_builds_keeps_building():
+    """Past 2 x max_traces builds a site keeps compiling while its graphs serve more iterations
+    than it has built graphs (a common path, and rarer ones that come back)."""
+    lengths = [2, 2, 2, 2]
+    for n in range(3, 9):
+        lengths += [n, 2, 2, n, 2, 2]
+    lengths += list(range(3, 9))
+    old = terra.config(max_traces=3)
+    try:
+        eager = _program(tf.GradientTape, lengths)
+        got = _program(tf.TerraGradientTape, lengths)
+        terra.end_iteration()
+    finally:
+        terra.config(**old)
+    _same(got, eager)
+    why = terra.explain()
+    assert "site stays eager" not in why, why
+    # traces: p0 (optimizer state), p1 twice (built); then each trip count 3-8 a fallback, a
+    # trace and a build at first sight: 7 builds, one over the limit of 6; the last six steps
+    # run compiled graphs, each switching from p1 to its own
+    assert _counts() == (9, 6, 7), why
+    assert terra.stats()["path_switches"] == 63, why
