@@ -23,7 +23,8 @@ class Config:
       iterations than it built graphs), or once 4 paths first seen
       after it compiled were seen only once while none of its graphs ever served an iteration
       (its paths keep changing).
-    max_fallbacks: fallbacks per site before it stays eager. A fallback onto a path the site has
+    max_fallbacks: fallbacks per site before it stays eager (or, once its graphs have served
+      more iterations than that, as many fallbacks as they served). A fallback onto a path the site has
       seen before, after 8 or more iterations without one (an epoch's end: a new data iterator),
       is a known cost and does not count; nor is one onto new variables whose path then runs
       an earlier path's graph (a metric made every epoch), after 4 or more.

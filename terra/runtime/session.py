@@ -64,12 +64,17 @@ _BUILDS_PER_TRACE_LIMIT = 2
 # ... or once this many paths first seen after it compiled were seen once while no graph of the
 # site ever served an iteration (every episode of another length)
 _CHURN_PATHS = 4
-# A site that has compiled builds a new path's graph when it first sees the path (a random branch
-# among several: served from then on), while fewer than this many of its graphs built so are
-# unused after _FIRST_SIGHT_WINDOW iterations (paths seen once, never served: episodes of rare
-# lengths); then at the path's second sighting.
+# When a path's graph is built. On a site that has not compiled: at the path's second sighting.
+# On one that has: at its first (a random branch among several: served from then on) while fewer
+# than _FIRST_SIGHT_UNUSED graphs so built are unused after _FIRST_SIGHT_WINDOW iterations (paths
+# seen once, never served: episodes of rare lengths). Past that, at its second sighting if its
+# sightings came at most _RARE_GAP iterations apart on average, and otherwise (a rare path: its
+# graph would serve few iterations) at its _RARE_SIGHTINGS-th, where the traces it has cost
+# amount to about one build (a build and the graph's first run cost a few traces' time).
 _FIRST_SIGHT_UNUSED = 2
 _FIRST_SIGHT_WINDOW = 2
+_RARE_GAP = 8
+_RARE_SIGHTINGS = 5
 
 
 def _unused_once(site, number) -> int:
@@ -78,6 +83,15 @@ def _unused_once(site, number) -> int:
     return sum(1 for p in site.paths.values()
                if p.graph is not None and p.count == 1 and not p.hits and p.group is None and
                number - p.first_seen >= _FIRST_SIGHT_WINDOW)
+
+
+def _due(site, path, number) -> bool:
+    """Whether `path` (just filed at iteration `number`) is due for a build (see above)."""
+    if not any(p.graph is not None for p in site.paths.values()):
+        return path.count >= 2
+    if _unused_once(site, number) < _FIRST_SIGHT_UNUSED or path.count >= _RARE_SIGHTINGS:
+        return True
+    return path.count >= 2 and path.last_seen - path.first_seen <= _RARE_GAP * (path.count - 1)
 
 
 def _late_once(site) -> int:
@@ -404,7 +418,7 @@ class Session:
                     path = site.paths.get(sig)
                     if path is None:
                         path = Path(sig, trace, units, id=site.new_path_id(), count=other.count,
-                                    liveouts=set(other.liveouts),
+                                    first_seen=other.first_seen, liveouts=set(other.liveouts),
                                     fetch_points=dict(other.fetch_points),
                                     outside_reads=set(other.outside_reads))
                         site.paths[sig] = path
@@ -421,6 +435,7 @@ class Session:
             # unit guarded on an object made anew with the variables, such as a task's optimizer)
             path.units, path.by_role, path.view = units, False, None
         path.absorb(trace, live, trace.fetches, site.seen_objects)
+        path.last_seen = it.number
         for v in trace.feed_values:  # tensors seen as feeds: a unit may rely on TF's cached ones
             if isinstance(v, tfp.EagerTensorBase) and v.shape.num_elements() <= 64:
                 site.seen_objects[id(v)] = v
@@ -446,13 +461,12 @@ class Session:
             # (a site whose shapes never repeat gives up through the churn rule below)
             site.known_fallbacks += 1
         compiled_before = any(p.graph is not None for p in site.paths.values())
-        first_sight = compiled_before and _unused_once(site, it.number) < _FIRST_SIGHT_UNUSED
         if why is None and path.stale and (path.count >= 2 or compiled_before):
-            # past the first-sight budget a new path still takes another path's graph over its
-            # own variables at once (no build: a task's model made anew), and is built only
-            # when seen again
-            self.builds.build(site, path, it.number,
-                              reuse_only=not (path.count >= 2 or first_sight))
+            # a path not yet due for a build still takes another path's graph over its own
+            # variables at once (no build: a task's model made anew); a compiled path that
+            # learned a fetch is rebuilt at once
+            due = path.graph is not None or _due(site, path, it.number)
+            self.builds.build(site, path, it.number, reuse_only=not due)
             if new and path.rebound is not None and it.fallback_gap is not None and \
                     it.fallback_gap >= KNOWN_REUSE_GAP:
                 site.known_fallbacks += 1  # a bounded cost per occurrence: see KNOWN_REUSE_GAP
@@ -501,7 +515,9 @@ class Session:
                 why_eager = f"{site.builds} graph builds, the limit of " \
                     f"{_BUILDS_PER_TRACE_LIMIT} x max_traces, for {hits} compiled iterations"
             self._go_eager(site, it.number, f"{why_eager}: its paths keep changing")
-        if site.fallbacks - site.known_fallbacks >= CONFIG.max_fallbacks and \
+        # (while its graphs serve more iterations than it falls back, a site's fallbacks are the
+        # price of its rarer paths, not a sign that compiling it does not pay)
+        if site.fallbacks - site.known_fallbacks >= max(CONFIG.max_fallbacks, hits) and \
                 site.eager_reason is None:
             self._go_eager(site, it.number, f"{site.fallbacks - site.known_fallbacks} fallbacks")
 

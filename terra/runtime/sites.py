@@ -257,7 +257,8 @@ def renamed_path(path: Path, new_variables: dict, id: int) -> Path:
              for s, u in path.units.items()}
     return Path(path_signature(trace, units), trace, units, id=id, count=path.count,
                 liveouts=set(path.liveouts), fetch_points=dict(path.fetch_points),
-                outside_reads=set(path.outside_reads), verified=set(path.verified), by_role=True)
+                outside_reads=set(path.outside_reads), verified=set(path.verified), by_role=True,
+                first_seen=path.first_seen, last_seen=path.last_seen)
 
 
 def id_of_handle(variable) -> int:
@@ -336,7 +337,8 @@ class Path:
     by_role: bool = False    # made by `renamed_path` (dropped once its variables are made anew)
     parent: "Path | None" = None  # the path by role it was renamed from
     late: bool = False       # first seen after the site had a graph (`Session._late_once`)
-    first_seen: int = 0      # the iteration that filed it
+    first_seen: int = 0      # the iteration that first filed it (or the path it was made from)
+    last_seen: int = 0       # the iteration that last filed it
 
     @functools.cached_property
     def static(self) -> StaticValues:

@@ -153,3 +153,50 @@ def test_a_site_whose_graphs_serve_more_iterations_than_it_builds_keeps_building
     # run compiled graphs, each switching from p1 to its own
     assert _counts() == (9, 6, 7), why
     assert terra.stats()["path_switches"] == 63, why
+
+
+def _rare_after_two_unused(rare):
+    """Steps of 2 passes, with two trip counts seen once early on (their graphs, built at first
+    sight, stay unused), then each entry of `rare` once every 10 steps."""
+    lengths = [2, 2, 2, 2, 4, 2, 2, 5, 2, 2, 2]
+    for n in rare:
+        lengths += [n] + [2] * 9
+    return lengths
+
+
+def test_a_rare_path_is_built_at_its_fifth_sighting():
+    """Past the first-sight budget, a path whose sightings come more than 8 iterations apart
+    waits for its fifth: its graph would serve few iterations, and a build costs a few traces."""
+    lengths = _rare_after_two_unused([3] * 5) + [3, 2, 2, 3]
+    eager = _program(tf.GradientTape, lengths)
+    got = _program(tf.TerraGradientTape, lengths)
+    terra.end_iteration()
+    _same(got, eager)
+    why = terra.explain()
+    assert "site stays eager" not in why, why
+    # builds: p1 (2 passes, seen twice), p2 and p3 (4 and 5 passes, at first sight, never
+    # served); 3 passes (p4) is traced at each of its five sightings 10 steps apart (the last
+    # four known paths after compiled iterations) and built at the fifth; its last two steps
+    # switch to it
+    assert "[graph_build] test_churn.py:35 iteration 52: graph for path p4" in why, why
+    assert why.count("[trace] test_churn.py:35 iteration ") == 10, why
+    assert _counts() == (10, 7, 4), why
+
+
+def test_fallbacks_onto_rare_paths_do_not_end_a_site_whose_graphs_serve_more():
+    """max_fallbacks ends a site only while its fallbacks are not outnumbered by the iterations
+    its graphs served: a new trip count every 10 steps costs a fallback each, the steps between
+    run compiled."""
+    lengths = _rare_after_two_unused([6, 7, 8, 9])
+    old = terra.config(max_fallbacks=3)
+    try:
+        eager = _program(tf.GradientTape, lengths)
+        got = _program(tf.TerraGradientTape, lengths)
+        terra.end_iteration()
+    finally:
+        terra.config(**old)
+    _same(got, eager)
+    why = terra.explain()
+    assert "site stays eager" not in why, why
+    # fallbacks: 4 and 5 passes (built at first sight), then 6-9 (rare, not built): 6 > 3
+    assert _counts() == (9, 6, 3), why
