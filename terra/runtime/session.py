@@ -9,13 +9,14 @@ Per site the session goes through phases:
 - tracing: the iteration runs eagerly under a Recorder; the trace is filed under its *path
   signature* (records, feed specs, coarse units), after generalizing constants that changed
   between traces of the same path into feeds;
-- co-execution: once a path was traced twice, its graph is generated and the next iterations run
-  it on the GraphRunner while the PythonRunner skips the user's ops along the same path;
+- co-execution: once a path is due for a build (policy.py: at its second sighting, or its first
+  on a site that has compiled), its graph is generated and the next iterations run it on the
+  GraphRunner while the PythonRunner skips the user's ops along the same path;
 - eager: a site that needed more than `max_traces` traces or `max_fallbacks` fallbacks, or whose
   traces cannot be compiled, stays eager (one warning, reason in `explain()`).
 
 The rooms it uses: sites.py (Site and Path data, signatures, generalization, what cannot be
-compiled), builds.py (building and installing the graphs of paths, on this thread or the
+compiled), policy.py (when a path is built and when a site gives up), builds.py (building and installing the graphs of paths, on this thread or the
 builder's), path_graph.py (one path as one graph), site_graph.py (all compiled paths of a site as
 one lowered graph), iteration.py (one iteration: skip mode, switches, fallback, end), units.py
 (coarse units: gradient, apply_gradients, layer and tf.function calls), explain.py (events,
@@ -47,6 +48,7 @@ from terra.runtime.path_view import PathView
 from terra.runtime.python_runner import PythonRunner
 from terra.runtime.roles import VariableRoles
 from terra.runtime.executable import PathRun
+from terra.runtime import policy
 from terra.runtime.site_graph import SiteRun
 from terra.runtime.sites import (KNOWN_FALLBACK_GAP, KNOWN_REUSE_GAP, Path, Site, generalize,
                                  path_signature, read_changed_spans, reads_feed_values,
@@ -57,49 +59,6 @@ from terra.tracing.locations import caller_step_try
 
 
 # ------------------------------------------------------------------------------------ session
-# A site stays eager after this many builds per `max_traces` while its builds are not outnumbered
-# by the iterations its graphs served (a site whose common path runs most iterations affords a
-# build for each rarer path it sees twice)
-_BUILDS_PER_TRACE_LIMIT = 2
-# ... or once this many paths first seen after it compiled were seen once while no graph of the
-# site ever served an iteration (every episode of another length)
-_CHURN_PATHS = 4
-# When a path's graph is built. On a site that has not compiled: at the path's second sighting.
-# On one that has: at its first (a random branch among several: served from then on) while fewer
-# than _FIRST_SIGHT_UNUSED graphs so built are unused after _FIRST_SIGHT_WINDOW iterations (paths
-# seen once, never served: episodes of rare lengths). Past that, at its second sighting if its
-# sightings came at most _RARE_GAP iterations apart on average, and otherwise (a rare path: its
-# graph would serve few iterations) at its _RARE_SIGHTINGS-th, where the traces it has cost
-# amount to about one build (a build and the graph's first run cost a few traces' time).
-_FIRST_SIGHT_UNUSED = 2
-_FIRST_SIGHT_WINDOW = 2
-_RARE_GAP = 8
-_RARE_SIGHTINGS = 5
-
-
-def _unused_once(site, number) -> int:
-    """Graphs of the site built for a path seen once, at least _FIRST_SIGHT_WINDOW iterations
-    before iteration `number`, that never served an iteration."""
-    return sum(1 for p in site.paths.values()
-               if p.graph is not None and p.count == 1 and not p.hits and p.group is None and
-               number - p.first_seen >= _FIRST_SIGHT_WINDOW)
-
-
-def _due(site, path, number) -> bool:
-    """Whether `path` (just filed at iteration `number`) is due for a build (see above)."""
-    if not any(p.graph is not None for p in site.paths.values()):
-        return path.count >= 2
-    if _unused_once(site, number) < _FIRST_SIGHT_UNUSED or path.count >= _RARE_SIGHTINGS:
-        return True
-    return path.count >= 2 and path.last_seen - path.first_seen <= _RARE_GAP * (path.count - 1)
-
-
-def _late_once(site) -> int:
-    """Paths first seen after the site compiled, seen once, never served (built or not)."""
-    return sum(1 for p in site.paths.values()
-               if p.late and p.count == 1 and not p.hits and p.group is None)
-
-
 class Session:
     """Process-wide state (one user thread is co-executed at a time)."""
 
@@ -460,12 +419,11 @@ class Session:
             # a new shape on a group's graph costs this trace and no build: bounded per shape
             # (a site whose shapes never repeat gives up through the churn rule below)
             site.known_fallbacks += 1
-        compiled_before = any(p.graph is not None for p in site.paths.values())
-        if why is None and path.stale and (path.count >= 2 or compiled_before):
+        if why is None and path.stale and (path.count >= 2 or policy.compiled(site)):
             # a path not yet due for a build still takes another path's graph over its own
             # variables at once (no build: a task's model made anew); a compiled path that
             # learned a fetch is rebuilt at once
-            due = path.graph is not None or _due(site, path, it.number)
+            due = path.graph is not None or policy.due(site, path, it.number)
             self.builds.build(site, path, it.number, reuse_only=not due)
             if new and path.rebound is not None and it.fallback_gap is not None and \
                     it.fallback_gap >= KNOWN_REUSE_GAP:
@@ -489,37 +447,9 @@ class Session:
                 id(site) not in self.builds.builder.sites_building():
             self._go_eager(site, it.number, f"{site.traces} traces without a compilable repeat"
                            + (f" (last: {why})" if why else ""))
-        hits = sum(p.hits for p in site.paths.values())
-        late_once = _late_once(site)
-        # a shape group's member costs a trace, not a build: a few more lengths may come before
-        # the first repeats (lengths drawn from a range), but never-repeating ones give up too
-        unused_members = sum(1 for p in site.paths.values()
-                             if p.group is not None and p.count == 1 and not p.hits)
-        if site.eager_reason is None and (
-                site.builds >= max(_BUILDS_PER_TRACE_LIMIT * CONFIG.max_traces, hits + 1) or
-                late_once >= _CHURN_PATHS and not hits or
-                unused_members >= CONFIG.max_traces and not hits):
-            # its paths keep changing (an episode of another length every step): each new path
-            # costs a fallback (and a build), more than running the site eagerly. Paths seen
-            # once after the site compiled when no graph of it ever served an iteration say so
-            # early; paths seen twice (a few branches or lengths in turn) do
-            # not count, nor does a site whose graphs run at times (a random branch among many:
-            # each path is built once and served from then on)
-            if late_once >= _CHURN_PATHS and not hits:
-                why_eager = f"{site.builds} graph builds and {late_once} paths seen once since " \
-                    f"it compiled served no compiled iteration"
-            elif unused_members >= CONFIG.max_traces and not hits:
-                why_eager = f"{unused_members} shapes traced once each on a shape group's " \
-                    f"graph served no compiled iteration"
-            else:  # (the message names the rule that fired, not the first one worded)
-                why_eager = f"{site.builds} graph builds, the limit of " \
-                    f"{_BUILDS_PER_TRACE_LIMIT} x max_traces, for {hits} compiled iterations"
-            self._go_eager(site, it.number, f"{why_eager}: its paths keep changing")
-        # (while its graphs serve more iterations than it falls back, a site's fallbacks are the
-        # price of its rarer paths, not a sign that compiling it does not pay)
-        if site.fallbacks - site.known_fallbacks >= max(CONFIG.max_fallbacks, hits) and \
-                site.eager_reason is None:
-            self._go_eager(site, it.number, f"{site.fallbacks - site.known_fallbacks} fallbacks")
+        verdict = policy.give_up(policy.Tally.of(site, CONFIG.max_traces, CONFIG.max_fallbacks))
+        if verdict is not None and site.eager_reason is None:
+            self._go_eager(site, it.number, verdict[1])
 
     def _go_eager(self, site, number, reason):
         site.eager_reason = reason

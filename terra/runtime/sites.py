@@ -336,7 +336,7 @@ class Path:
     roles_seen: int = -1     # `VariableRoles.seq` when its variables were last checked for newer
     by_role: bool = False    # made by `renamed_path` (dropped once its variables are made anew)
     parent: "Path | None" = None  # the path by role it was renamed from
-    late: bool = False       # first seen after the site had a graph (`Session._late_once`)
+    late: bool = False       # first seen after the site had a graph (`policy.late_once`)
     first_seen: int = 0      # the iteration that first filed it (or the path it was made from)
     last_seen: int = 0       # the iteration that last filed it
 

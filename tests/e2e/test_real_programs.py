@@ -40,7 +40,7 @@ COUNTS = {
 # tracing (the hook's `__array_function__`).
 # dqn: three builds less, one trace and fallback more, since a site that has compiled builds a
 # path at its first sighting only while fewer than 2 graphs so built are unused 2 iterations on
-# (session._FIRST_SIGHT_UNUSED): the paths first seen from iteration 10 on wait for a second
+# (policy.FIRST_SIGHT_UNUSED): the paths first seen from iteration 10 on wait for a second
 # sighting (p9 and p11 are built at it).
 # program -> why it stays eager (a phrase of terra.explain()); every other program compiles.
 EAGER_BECAUSE: dict = {}

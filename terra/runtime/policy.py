@@ -1,0 +1,127 @@
+"""When a site builds a path's graph, and when it gives up and stays eager.
+
+Pure functions of a site's paths and counts (no TF, no session state): after filing a trace the
+session asks `due` whether the path's graph is built now, and `give_up` whether the site stays
+eager from now on; it acts on the answers. The rules weigh what a site costs against what its
+graphs serve: a build and a graph's first run cost about as much as a few traces, a fallback
+more than the eager iteration it replaces, and a compiled iteration less.
+
+Building (`due`):
+  - a site that has not compiled builds a path at its second sighting;
+  - one that has builds a new path at once (a random branch among several: served from then on)
+    while fewer than FIRST_SIGHT_UNUSED graphs so built are unused FIRST_SIGHT_WINDOW
+    iterations on (paths seen once, never served: episodes of rare lengths);
+  - past that, at its second sighting if its sightings came at most RARE_GAP iterations apart
+    on average, and otherwise (a rare path: its graph would serve few iterations) at its
+    RARE_SIGHTINGS-th, when the traces it has cost amount to about one build.
+
+Giving up (`GIVE_UP`, first matching rule): the site's paths keep changing, so each iteration
+costs a fallback and a build, more than running it eagerly; or it falls back more often than its
+graphs serve iterations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+__all__ = ["BUILDS_PER_TRACE_LIMIT", "CHURN_PATHS", "FIRST_SIGHT_UNUSED", "FIRST_SIGHT_WINDOW",
+           "GIVE_UP", "RARE_GAP", "RARE_SIGHTINGS", "Rule", "Tally", "due", "give_up",
+           "late_once", "unused_once"]
+
+# a site stays eager after this many builds per `max_traces` while its builds are not
+# outnumbered by the iterations its graphs served (a site whose common path runs most iterations
+# affords a build for each rarer path it sees often)
+BUILDS_PER_TRACE_LIMIT = 2
+# ... or once this many paths first seen after it compiled were seen once while no graph of the
+# site ever served an iteration (every episode of another length)
+CHURN_PATHS = 4
+FIRST_SIGHT_UNUSED = 2
+FIRST_SIGHT_WINDOW = 2
+RARE_GAP = 8
+RARE_SIGHTINGS = 5
+
+
+def compiled(site) -> bool:
+    return any(p.graph is not None for p in site.paths.values())
+
+
+def unused_once(site, number) -> int:
+    """Graphs of the site built for a path seen once, at least FIRST_SIGHT_WINDOW iterations
+    before iteration `number`, that never served an iteration."""
+    return sum(1 for p in site.paths.values()
+               if p.graph is not None and p.count == 1 and not p.hits and p.group is None and
+               number - p.first_seen >= FIRST_SIGHT_WINDOW)
+
+
+def late_once(site) -> int:
+    """Paths first seen after the site compiled, seen once, never served (built or not)."""
+    return sum(1 for p in site.paths.values()
+               if p.late and p.count == 1 and not p.hits and p.group is None)
+
+
+def due(site, path, number) -> bool:
+    """Whether `path`, just filed at iteration `number`, has its graph built now."""
+    if not compiled(site):
+        return path.count >= 2
+    if unused_once(site, number) < FIRST_SIGHT_UNUSED or path.count >= RARE_SIGHTINGS:
+        return True
+    return path.count >= 2 and path.last_seen - path.first_seen <= RARE_GAP * (path.count - 1)
+
+
+@dataclass(frozen=True)
+class Tally:
+    """What the give-up rules weigh, counted once per filed trace."""
+    builds: int
+    hits: int               # iterations the site's graphs served
+    fallbacks: int          # fallbacks held against max_fallbacks (not the known ones)
+    late_once: int
+    unused_members: int     # shapes traced once each on a shape group's graph, never served
+    max_traces: int
+    max_fallbacks: int
+
+    @classmethod
+    def of(cls, site, max_traces: int, max_fallbacks: int) -> "Tally":
+        paths = site.paths.values()
+        return cls(site.builds, sum(p.hits for p in paths),
+                   site.fallbacks - site.known_fallbacks, late_once(site),
+                   sum(1 for p in paths if p.group is not None and p.count == 1 and not p.hits),
+                   max_traces, max_fallbacks)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One way a site gives up: `fires` on a tally, `says` why (a phrase of explain())."""
+    name: str
+    fires: Callable[[Tally], bool]
+    says: Callable[[Tally], str]
+
+
+_CHANGING = ": its paths keep changing"
+GIVE_UP = (
+    # paths seen once after the site compiled when no graph of it ever served an iteration say
+    # early that its paths keep changing; paths seen twice (a few branches or lengths in turn)
+    # do not count, nor does a site whose graphs run at times
+    Rule("churn", lambda t: t.late_once >= CHURN_PATHS and not t.hits,
+         lambda t: f"{t.builds} graph builds and {t.late_once} paths seen once since it "
+                   f"compiled served no compiled iteration" + _CHANGING),
+    # a shape group's member costs a trace, not a build: a few more lengths may come before the
+    # first repeats (lengths drawn from a range), but never-repeating ones give up too
+    Rule("shapes", lambda t: t.unused_members >= t.max_traces and not t.hits,
+         lambda t: f"{t.unused_members} shapes traced once each on a shape group's graph "
+                   f"served no compiled iteration" + _CHANGING),
+    Rule("builds", lambda t: t.builds >= max(BUILDS_PER_TRACE_LIMIT * t.max_traces, t.hits + 1),
+         lambda t: f"{t.builds} graph builds, the limit of {BUILDS_PER_TRACE_LIMIT} x "
+                   f"max_traces, for {t.hits} compiled iterations" + _CHANGING),
+    # while its graphs serve more iterations than it falls back, a site's fallbacks are the
+    # price of its rarer paths, not a sign that compiling it does not pay
+    Rule("fallbacks", lambda t: t.fallbacks >= max(t.max_fallbacks, t.hits),
+         lambda t: f"{t.fallbacks} fallbacks"),
+)
+
+
+def give_up(tally: Tally) -> tuple[str, str] | None:
+    """(rule name, why) of the first rule of GIVE_UP that fires, or None."""
+    for rule in GIVE_UP:
+        if rule.fires(tally):
+            return rule.name, rule.says(tally)
+    return None
