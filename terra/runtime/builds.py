@@ -227,6 +227,7 @@ class Builds:
         graph.path = path
         path.graph = graph
         path.built_for = key
+        path.built_count = path.built_count or path.count
         self.graphs.append(graph)
         self.counters.graph_builds += 1
         site.builds += 1

@@ -66,6 +66,8 @@ class IterationEnd:
             s.finish_trace(self)
         if self.mode == "skip":
             s.counters.python_exec_s += time.perf_counter() - self.t0 - self.stall
+            if not self.path.hits:
+                self.path.first_hit = self.number
             self.path.hits += 1
             self.site.last_path = self.path
             self.site.note_path(self.path)

@@ -9,8 +9,9 @@ more than the eager iteration it replaces, and a compiled iteration less.
 Building (`due`):
   - a site that has not compiled builds a path at its second sighting;
   - one that has builds a new path at once (a random branch among several: served from then on)
-    while fewer than FIRST_SIGHT_UNUSED graphs so built are unused FIRST_SIGHT_WINDOW
-    iterations on (paths seen once, never served: episodes of rare lengths);
+    while fewer than FIRST_SIGHT_UNUSED graphs so built were bad bets: unused
+    FIRST_SIGHT_WINDOW iterations on (paths seen once: episodes of rare lengths), or first
+    served more than RARE_GAP iterations after their path was first seen;
   - past that, at its second sighting if its sightings came at most RARE_GAP iterations apart
     on average, and otherwise (a rare path: its graph would serve few iterations) at its
     RARE_SIGHTINGS-th, when the traces it has cost amount to about one build.
@@ -46,11 +47,13 @@ def compiled(site) -> bool:
 
 
 def unused_once(site, number) -> int:
-    """Graphs of the site built for a path seen once, at least FIRST_SIGHT_WINDOW iterations
-    before iteration `number`, that never served an iteration."""
+    """Graphs of the site built at their path's first sighting that were bad bets by iteration
+    `number`: not served in the FIRST_SIGHT_WINDOW iterations since, or first served more than
+    RARE_GAP iterations after the path was first seen (a bet that paid late stays counted)."""
     return sum(1 for p in site.paths.values()
-               if p.graph is not None and p.count == 1 and not p.hits and p.group is None and
-               number - p.first_seen >= FIRST_SIGHT_WINDOW)
+               if p.built_count == 1 and p.group is None and
+               (number - p.first_seen >= FIRST_SIGHT_WINDOW if p.first_hit is None
+                else p.first_hit - p.first_seen > RARE_GAP))
 
 
 def late_once(site) -> int:

@@ -339,6 +339,8 @@ class Path:
     late: bool = False       # first seen after the site had a graph (`policy.late_once`)
     first_seen: int = 0      # the iteration that first filed it (or the path it was made from)
     last_seen: int = 0       # the iteration that last filed it
+    built_count: int = 0     # its sightings when its own graph was first installed (1: at first sight)
+    first_hit: int | None = None  # the first iteration its graph served
 
     @functools.cached_property
     def static(self) -> StaticValues:

@@ -5,10 +5,13 @@ from types import SimpleNamespace
 from terra.runtime import policy
 
 
-def _path(count=1, hits=0, graph=None, first_seen=1, last_seen=None, late=False, group=None):
+def _path(count=1, hits=0, graph=None, first_seen=1, last_seen=None, late=False, group=None,
+          first_hit=None):
+    """A path seen `count` times; with a graph, built at its `count`-th sighting."""
     return SimpleNamespace(count=count, hits=hits, graph=graph, first_seen=first_seen,
                            last_seen=first_seen if last_seen is None else last_seen, late=late,
-                           group=group)
+                           group=group, built_count=count if graph is not None else 0,
+                           first_hit=first_hit)
 
 
 def _site(*paths, builds=0, fallbacks=0, known_fallbacks=0):
@@ -35,8 +38,12 @@ def test_a_compiled_site_builds_at_first_sight_until_two_such_graphs_stay_unused
     # at iteration 7 only once_a is 2 iterations old: one unused graph
     assert policy.unused_once(site, 7) == 1 and policy.due(site, new, 7)
     assert policy.unused_once(site, 8) == 2 and not policy.due(site, new, 8)
-    once_b.hits = 1   # served once: not unused
+    once_b.hits, once_b.first_hit = 1, 8   # served 2 iterations after its first sighting
     assert policy.due(site, new, 8)
+    once_b.first_hit = 15                  # served, but 9 iterations on: a bad bet all the same
+    assert policy.unused_once(site, 16) == 2 and not policy.due(site, new, 16)
+    once_b.first_hit = 14                  # 8 on
+    assert policy.unused_once(site, 16) == 1
 
 
 def test_past_the_first_sight_budget_frequent_paths_build_at_the_second_sighting():
