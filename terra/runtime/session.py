@@ -15,8 +15,9 @@ Per site the session goes through phases:
 - eager: a site that needed more than `max_traces` traces or `max_fallbacks` fallbacks, or whose
   traces cannot be compiled, stays eager (one warning, reason in `explain()`).
 
-The rooms it uses: sites.py (Site and Path data, signatures, generalization, what cannot be
-compiled), policy.py (when a path is built and when a site gives up), builds.py (building and installing the graphs of paths, on this thread or the
+The rooms it uses: sites.py (Site and Path data, signatures, what cannot be compiled),
+generalize.py (changed constants become feeds), policy.py (when a path is built and when a site
+gives up), builds.py (building and installing the graphs of paths, on this thread or the
 builder's), path_graph.py (one path as one graph), site_graph.py (all compiled paths of a site as
 one lowered graph), iteration.py (one iteration: skip mode, switches, fallback, end), units.py
 (coarse units: gradient, apply_gradients, layer and tf.function calls), explain.py (events,
@@ -50,8 +51,9 @@ from terra.runtime.roles import VariableRoles
 from terra.runtime.executable import PathRun
 from terra.runtime import policy
 from terra.runtime.site_graph import SiteRun
-from terra.runtime.sites import (KNOWN_FALLBACK_GAP, KNOWN_REUSE_GAP, Path, Site, generalize,
-                                 path_signature, read_changed_spans, reads_feed_values,
+from terra.runtime.generalize import generalize, read_changed_spans
+from terra.runtime.sites import (KNOWN_FALLBACK_GAP, KNOWN_REUSE_GAP, Path, Site,
+                                 path_signature, reads_feed_values,
                                  uncompilable, units_for)
 from terra.tracing import hook
 from terra.tracing.recorder import ContinuingRecorder

@@ -52,7 +52,7 @@ def _relax_spec(a: TensorSpec, b: TensorSpec):
 def relax(base: Relaxed, new: Trace) -> Relaxed | None:
     """`base` relaxed to cover `new` too, or None if `new` differs in more than shapes and
     shape constants (another op, attr, producer, variable, feed slot, dtype or rank), or if it
-    differs in no shape at all (a changing Python value: `sites.generalize`'s case)."""
+    differs in no shape at all (a changing Python value: `generalize.generalize`'s case)."""
     bt = base.trace
     if len(bt.records) != len(new.records) or len(new.feeds) != sum(
             1 for f in bt.feeds if f.source != SHAPE_CONSTANT):

@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import terra  # noqa: E402
-from terra.runtime.sites import generalize  # noqa: E402
+from terra.runtime.generalize import generalize  # noqa: E402
 from terra.ir.records import (ConstRef, Feed, FeedRef, Location, OpRecord, OutputRef,  # noqa: E402
                               TensorSpec, Trace)
 from tests.counting import CompileCounter  # noqa: E402

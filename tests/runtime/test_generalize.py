@@ -1,11 +1,11 @@
-"""`sites.generalize`: which constants of two traces of one path become feeds.
+"""`generalize.generalize`: which constants of two traces of one path become feeds.
 
 Constants are compared by value, and tied by the tensor object they were (`ConstRef.origin`):
 two objects that hold equal values by chance get a slot each, and a constant that changed at
 one pass of a Python loop is fed at every pass through the same place."""
 from terra.ir.records import (ConstRef, Feed, FeedRef, Location, LoopIter, OpRecord,
                               TensorSpec, Trace)
-from terra.runtime.sites import generalize
+from terra.runtime.generalize import generalize
 
 F32 = TensorSpec("float32", (2,))
 

@@ -13,7 +13,8 @@ from terra.ir.records import ConstRef, FeedRef, OpRecord, Location, OutputRef, T
 from terra.runtime.divergence import Divergence  # noqa: E402
 from terra.runtime.python_runner import SkipPlaceholder  # noqa: E402
 from terra.runtime.session import SESSION  # noqa: E402
-from terra.runtime.sites import generalize, path_signature  # noqa: E402
+from terra.runtime.generalize import generalize  # noqa: E402
+from terra.runtime.sites import path_signature  # noqa: E402
 from tests.counting import CompileCounter  # noqa: E402
 
 
