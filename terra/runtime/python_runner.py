@@ -27,6 +27,8 @@ from terra import _tf_private as tfp
 from terra.ir.op_kinds import HOST_OPS
 from terra.compiler.shapes import output_shapes
 from terra.ir.records import ConstRef, FeedRef, Fetch, OutputRef, TensorSpec, VariableRef
+from terra.runtime.op_inputs import (attr_types, may_take_variable, np_dtype_name,
+                                     single_output, takes_variables, tape_word, variable_ref)
 from terra.runtime.divergence import (GRAPH_ERROR, PAST_END, Diverged, Divergence,
                                       DivergenceKind, user_line)
 from terra.runtime.path_view import PathView
@@ -58,36 +60,6 @@ def placeholder_ref(x, runner) -> Optional[OutputRef]:
     return None
 
 
-def _takes_variables(rec, op_type, inputs) -> bool:
-    """False if record `rec` of the op `op_type` names another variable where the op's input is
-    a variable handle (a path over other variable objects: switching to it would only diverge
-    again)."""
-    if rec.op_type != op_type or not isinstance(inputs, (list, tuple)) or \
-            len(inputs) != len(rec.inputs):
-        return True
-    for ref, v in zip(rec.inputs, inputs):
-        if isinstance(ref, VariableRef) and isinstance(v, tfp.EagerTensorBase) and \
-                v.dtype == tf.resource and id(v) != ref.key:
-            return False
-    return True
-
-
-_PLAIN = (Placeholder, np.ndarray, np.generic, int, float, complex, bool, str, bytes,
-          type(None))
-
-
-def _may_take_variable(inputs) -> bool:
-    """Whether an op on the fast route, with these unconverted inputs, may read a variable
-    before it runs (an input that is neither a plain value nor a non-resource tensor)."""
-    for x in tf.nest.flatten(inputs) if isinstance(inputs, (list, tuple)) else (inputs,):
-        if isinstance(x, tfp.EagerTensorBase):
-            if x.dtype == tf.resource:
-                return True
-        elif not isinstance(x, _PLAIN):
-            return True
-    return False
-
-
 class _Resolver:
     """Resolves a placeholder through the session (fetch channel, run output, or fallback)."""
 
@@ -99,26 +71,6 @@ class _Resolver:
 
     def resolve(self):
         return self.iteration.resolve(self.ref)
-
-
-def _single_output(op_type: str) -> bool:
-    op_def = tfp.get_op_def(op_type)
-    if op_def is None or len(op_def.output_arg) != 1:
-        return False
-    a = op_def.output_arg[0]
-    return not (a.number_attr or a.type_list_attr)
-
-
-_single_cache: dict = {}
-_attr_types: dict = {}
-
-
-def _types_of(op_type):
-    t = _attr_types.get(op_type)
-    if t is None:
-        op_def = tfp.get_op_def(op_type)
-        t = _attr_types[op_type] = {a.name: a.type for a in op_def.attr} if op_def else {}
-    return t
 
 
 # ------------------------------------------------------------------------------------ the runner
@@ -179,11 +131,11 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
                 # variable on the fast route: that route runs the reads of variable inputs
                 # only after it hands the op to the slow route)
                 kinds = (op_type, "ReadVariableOp") if route == "fast" and \
-                    _may_take_variable(inputs) else (op_type,)
+                    may_take_variable(inputs) else (op_type,)
                 fits = self._feed_fits(pos)
                 accepts = None if route == "function" else (
                     lambda q: q.view.records[pos].op_type in kinds and
-                    _takes_variables(q.view.records[pos], op_type, inputs) and fits(q))
+                    takes_variables(q.view.records[pos], op_type, inputs) and fits(q))
                 while self.iteration.switch(d.divergence, tried=tried, accepts=accepts):
                     try:
                         return self._skip(op_type, inputs, attrs, route)
@@ -259,7 +211,7 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
         if route != "function" and rec.taped != tfp.tapes_recording():
             # the same op, recorded otherwise (a `stop_recording()` taken this time only): its
             # gradient differs
-            self._diverge("recorded otherwise", _tape_word(rec.taped), _tape_word(not rec.taped))
+            self._diverge("recorded otherwise", tape_word(rec.taped), tape_word(not rec.taped))
         if self.shape_from is not None and p >= self.shape_from:
             self._infer_shapes(rec)
         self.pos = p + 1
@@ -273,10 +225,7 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
         if route == "fast":
             if not outs:
                 return None
-            single = _single_cache.get(op_type)
-            if single is None:
-                single = _single_cache[op_type] = _single_output(op_type)
-            return outs[0] if single else outs
+            return outs[0] if single_output(op_type) else outs
         return outs
 
     def _fallback_ahead(self, op_type) -> bool:
@@ -294,7 +243,7 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
                     return
             except Exception:  # noqa: BLE001 - arrays in attrs: compare the slow way
                 pass
-        types = _types_of(rec.op_type)
+        types = attr_types(rec.op_type)
         full = dict(rec.attrs)
         for i in range(0, len(attrs), 2):
             name, value = attrs[i], attrs[i + 1]
@@ -406,7 +355,7 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
             a = np.asarray(value)
             dtype = spec.dtype if not isinstance(value, np.ndarray) else None
             if dtype is None:
-                dtype = _np_dtype_name(a.dtype, spec.dtype)
+                dtype = np_dtype_name(a.dtype, spec.dtype)
             shape = tuple(a.shape)
         if (dtype != spec.dtype or shape != spec.shape) and \
                 not self._takes_new_shape(slot, dtype, shape):
@@ -517,41 +466,13 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
         r = placeholder_ref(x, self)
         if r is not None:
             return r
-        return _variable_ref(x)
+        return variable_ref(x)
 
     def log_fetch(self, ref, how="numpy"):
         self.fetch_log.append(Fetch(ref, self.pos, how))
 
 
-def _tape_word(taped: bool) -> str:
-    return "recorded by the tape" if taped else "not recorded (tapes stopped)"
-
-
-_RESOURCE = None
-
-
-def _init_resource():
-    global _RESOURCE
-    import tensorflow as tf
-    _RESOURCE = tf.resource
-
-
-_init_resource()
-
-
-def _np_dtype_name(np_dtype, wanted):
-    import tensorflow as tf
-    name = tf.as_dtype(np_dtype).name
-    # a float64 array fed to a float32 slot converts the same way the recorded op converted it
-    return wanted if name != wanted and tf.as_dtype(wanted).is_floating and \
-        tf.as_dtype(name).is_floating else name
-
-
-def _variable_ref(x) -> Optional[VariableRef]:
-    handle = getattr(x, "handle", None) if not isinstance(x, tfp.EagerTensorBase) else None
-    if handle is not None and isinstance(handle, tfp.EagerTensorBase):
-        return VariableRef(id(handle))
-    return None
+_RESOURCE = tf.resource
 
 
 __all__ = ["PythonRunner", "SkipPlaceholder", "placeholder_ref", "UNSET"]
