@@ -4,7 +4,7 @@
     runner.start(lowered.function)        # no arguments: every input arrives through a channel
 
 Construct by construct (docs/lowering.md has the details and an example):
-- op node: the recorded op rebuilt with replay's op emission (replay.Builder.op), named
+- op node: the recorded op rebuilt by the trace interpreter's graph emitter (`GraphReplay.op`), named
   `terra_op_<node id>` so runtime errors map back to the node;
 - switch-case (Algorithm 1) with several cases, or a single case that a finished path skips:
   one `tf.switch_case` whose index is a Case-Select feed; an extra empty default branch when some
@@ -41,9 +41,9 @@ import time
 from dataclasses import dataclass, field
 import tensorflow as tf
 
-from terra import _tf_private as tfp
 from terra.compiler import replay as _replay
 from terra.compiler.case_assignment import assign_cases
+from terra.compiler.interpret import input_dtypes
 from terra.compiler.merge import shape_key  # what `covers` compares
 from terra.compiler.merge import merge
 from terra.ir.records import ConstRef, FeedRef, TensorSpec, Trace, VariableRef
@@ -408,13 +408,13 @@ def _token(chain: _Chain):
         return tf.zeros([], tf.int32)
 
 
-class _Builder(_replay.Builder):
-    """Replay's op emission; inputs are resolved by the lowering beforehand (`_Ready`)."""
+class _NodeReplay(_replay.GraphReplay):
+    """The graph emitter for single nodes; inputs are resolved by the lowering beforehand
+    (`_Ready`)."""
 
     def __init__(self, variables, functions):
-        self.trace = Trace("lowered", variables=variables, functions=functions)
-        self.feeds, self.env = (), {}
-        self.consts, self._consts = {}, {}  # graph id -> (graph, {ConstRef: tensor})
+        super().__init__(Trace("lowered", variables=variables, functions=functions), ())
+        self._consts = {}  # graph id -> (graph, {ConstRef: tensor})
 
     def value(self, ref, dtype=None):
         if isinstance(ref, _Ready):
@@ -435,26 +435,6 @@ class _Ready:
         self.tensor = tensor
 
 
-def _input_dtypes(rec) -> dict:
-    """position -> dtype name the op expects at that input (None: take the value's own)."""
-    op_def = tfp.get_op_def(rec.op_type) if rec.route != "function" else None
-    if op_def is None:
-        return {}
-    attrs, out = dict(rec.attrs), {}
-    for a, arg in enumerate(op_def.input_arg):
-        if arg.type_list_attr:
-            for k, d in enumerate(attrs.get(arg.type_list_attr, ())):
-                out[(a, k)] = d
-            continue
-        d = attrs.get(arg.type_attr) if arg.type_attr else tf.as_dtype(arg.type).name
-        if arg.number_attr:
-            for k in range(attrs.get(arg.number_attr, 0)):
-                out[(a, k)] = d
-        else:
-            out[(a,)] = d
-    return out
-
-
 # --------------------------------------------------------------------------------- the lowering
 class _Lowering:
     def __init__(self, an: _Analysis, unroll: bool, timed: bool):
@@ -463,7 +443,7 @@ class _Lowering:
         for t in an.traces:
             variables.update(t.variables)
             functions.update(t.functions)
-        self.builder = _Builder(variables, functions)
+        self.builder = _NodeReplay(variables, functions)
         self.feeds, self.feed_points, self.case_selects = {}, {}, {}
         self.loop_conds, self.unrolled, self.fetches = {}, {}, {}
         self._emitted_points = {}
@@ -619,7 +599,7 @@ class _Lowering:
                 t = scope.get((_OUT, src.node, src.index))
                 t = t if t is not None else _dummy(*an.out_spec(src.node, src.index))
             else:
-                dtype = _input_dtypes(an.node[consumer].op).get(pos)
+                dtype = input_dtypes(an.node[consumer].op).get(pos)
                 t = self.builder.value(src, dtype)
             init.append(tf.convert_to_tensor(t))
         self._record_points(lid, points)

@@ -69,7 +69,7 @@ class LoweredPath:
 
         def body():
             order = FeedFetchOrder()
-            builder = _ChannelBuilder(trace, self, order, xla_scopes)
+            builder = _ChannelReplay(trace, self, order, xla_scopes)
             env = builder.run()
             self.xla_spans = builder.spans.count
             self.shapes = {OutputRef(i, j): t.shape for (i, j), t in env.items()}
@@ -89,7 +89,7 @@ class LoweredPath:
         return ch
 
 
-class _ChannelBuilder(replay.Builder):
+class _ChannelReplay(replay.GraphReplay):
     """Replay's builder with feeds dequeued from channels and fetches enqueued at their points."""
 
     def __init__(self, trace, lowered, order, xla_scopes):
@@ -120,9 +120,8 @@ class _ChannelBuilder(replay.Builder):
                 control = gate if rec.index < gate_end else []
                 with self.spans.compute(), tf.name_scope(op_node_name(rec.index)), \
                         tf.control_dependencies(control):
-                    outs = self.function(rec) if rec.route == "function" else self.op(rec)
-                for j, t in enumerate(outs or ()):
-                    self.env[(rec.index, j)] = t
+                    outs = self.emit(rec)
+                self.write(rec, outs)
         self._emit_fetches(len(self.trace.records))
         return self.env
 

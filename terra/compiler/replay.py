@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 import tensorflow as tf
 
 from terra import _tf_private as tfp
+from terra.compiler.interpret import Interpreter
 from terra.ir.op_kinds import HOST_OPS
-from terra.ir.records import ConstRef, FeedRef, OutputRef, Trace, VariableRef
+from terra.ir.records import FeedRef, OutputRef, Trace, VariableRef
 
 
 def _thaw_shape(v):
@@ -80,14 +80,9 @@ def substitute_feeds(trace: Trace, replacements: Sequence = ()) -> list:
     return values
 
 
-class Builder:
-    """Rebuilds the records of `trace` in the current (function) graph."""
-
-    def __init__(self, trace: Trace, feeds):
-        self.trace = trace
-        self.feeds = feeds
-        self.env: dict = {}
-        self.consts: dict = {}
+class GraphReplay(Interpreter):
+    """The graph emitter of the trace interpreter: rebuilds records in the current (function)
+    graph."""
 
     def variable(self, ref: VariableRef, dtype):
         var = self.trace.variables[ref.key]
@@ -99,22 +94,6 @@ class Builder:
             return tfp.read_variable_op(var.handle, var.dtype)
         return tfp.read_variable_op(var, dtype)
 
-    def value(self, ref, dtype=None):
-        if isinstance(ref, OutputRef):
-            return self.env[(ref.record, ref.index)]
-        if isinstance(ref, FeedRef):
-            return self.feeds[ref.slot]
-        if isinstance(ref, VariableRef):
-            return self.variable(ref, dtype)
-        if isinstance(ref, ConstRef):
-            c = self.consts.get(ref)
-            if c is None:
-                np_dtype = object if ref.dtype == "string" else tf.as_dtype(ref.dtype).as_numpy_dtype
-                c = self.consts[ref] = tf.constant(np.array(ref.value, dtype=np_dtype),
-                                                   dtype=ref.dtype)
-            return c
-        raise TypeError(f"replay: unknown input ref {ref!r}")
-
     def op(self, rec):
         if rec.op_type in HOST_OPS:  # runs on the program's thread (op_kinds.HOST_OPS)
             for r in rec.input_refs():
@@ -122,45 +101,30 @@ class Builder:
                     self.value(r)  # dequeued all the same: the channels stay in step
             return []
         op_def = tfp.get_op_def(rec.op_type)
+        args = self.arg_values(rec, op_def)
         protos = _protos_of(rec, op_def)
         if protos is not None:
-            return self._create(rec, op_def, protos)
-        return self._apply(rec, op_def)
-
-    def _create(self, rec, op_def, protos):
-        """The op straight from its recorded attrs (all of them are recorded): about half the
-        Python of `_apply_op_helper`, which converts inputs and infers attrs again."""
-        attrs = dict(rec.attrs)
-        flat = []
-        for arg, ref in zip(op_def.input_arg, rec.inputs):
-            if arg.type_list_attr:
-                flat.extend(self.value(r, d) for r, d in zip(ref, attrs[arg.type_list_attr]))
-                continue
-            dtype = attrs.get(arg.type_attr) if arg.type_attr else tf.as_dtype(arg.type).name
-            if arg.number_attr:
-                flat.extend(self.value(r, dtype) for r in ref)
-            else:
-                flat.append(self.value(ref, dtype))
-        try:
-            return tfp.create_op(rec.op_type, flat, protos, op_def)
-        except (TypeError, ValueError):  # an input TF would have converted: its own way
-            return self._apply(rec, op_def)
-
-    def _apply(self, rec, op_def):
-        attrs = dict(rec.attrs)
-        kwargs, inferred = {}, set()
-        for arg, ref in zip(op_def.input_arg, rec.inputs):
-            inferred.update((arg.type_attr, arg.number_attr, arg.type_list_attr))
-            if arg.type_list_attr:
-                kwargs[arg.name] = [self.value(r, d) for r, d in zip(ref, attrs[arg.type_list_attr])]
-            else:
-                dtype = attrs.get(arg.type_attr) if arg.type_attr else tf.as_dtype(arg.type).name
-                if arg.number_attr:
-                    kwargs[arg.name] = [self.value(r, dtype) for r in ref]
+            flat = []
+            for v in args:
+                if isinstance(v, list):
+                    flat.extend(v)
                 else:
-                    kwargs[arg.name] = self.value(ref, dtype)
+                    flat.append(v)
+            try:
+                # straight from the recorded attrs (all of them are recorded): about half the
+                # Python of `_apply_op_helper`, which converts inputs and infers attrs again
+                return tfp.create_op(rec.op_type, flat, protos, op_def)
+            except (TypeError, ValueError):  # an input TF would have converted: its own way
+                pass
+        return self._apply(rec, op_def, args)
+
+    def _apply(self, rec, op_def, args):
+        kwargs, inferred = {}, set()
+        for arg, v in zip(op_def.input_arg, args):
+            inferred.update((arg.type_attr, arg.number_attr, arg.type_list_attr))
+            kwargs[arg.name] = v
         types = {a.name: a.type for a in op_def.attr}
-        for name, value in attrs.items():
+        for name, value in rec.attrs:
             if name not in inferred:
                 kwargs[name] = _thaw(types[name], value)
         _, _, op, _ = tfp.apply_op_helper(rec.op_type, **kwargs)
@@ -168,14 +132,7 @@ class Builder:
 
     def function(self, rec):
         fn = self.trace.functions[rec.function]
-        return fn.call_flat(*[self.value(r, None) for r in rec.inputs])
-
-    def run(self):
-        for rec in self.trace.records:
-            outs = self.function(rec) if rec.route == "function" else self.op(rec)
-            for j, t in enumerate(outs or ()):
-                self.env[(rec.index, j)] = t
-        return self.env
+        return fn.call_flat(*self.flat_inputs(rec))
 
 
 # (op_type, recorded attrs) -> AttrValue protos of every attr (None: some attr is not recorded)
@@ -219,7 +176,7 @@ def compile_trace(trace: Trace, outputs: Sequence[OutputRef] = (), *,
             raise ValueError(f"compile_trace: {ref!r} is not an output of trace {trace.site!r}")
 
     def body(*feeds):
-        env = Builder(trace, feeds).run()
+        env = GraphReplay(trace, feeds).run()
         return [env[(r.record, r.index)] for r in outputs]
 
     specs = [tf.TensorSpec(f.spec.shape, f.spec.dtype) for f in trace.feeds]

@@ -7,13 +7,13 @@ from __future__ import annotations
 import tensorflow as tf
 
 from terra import _tf_private as tfp
-from terra.compiler.replay import Builder
+from terra.compiler.replay import GraphReplay
 from terra.ir.records import ConstRef, FeedRef, OutputRef, Trace, VariableRef
 
 _cache: dict = {}
 
 
-class _Probe(Builder):
+class _Probe(GraphReplay):
     """Builds one record in a scratch graph: fed and produced inputs are graph placeholders of
     their recorded specs (values unknown), constants are constants, variables unknown handles."""
 
@@ -96,6 +96,6 @@ def unknown_shapes(trace: Trace) -> frozenset:
     graph = tfp.FuncGraph("terra_shapes")
     with graph.as_default():
         feeds = [tf.compat.v1.placeholder(f.spec.dtype, f.spec.shape) for f in trace.feeds]
-        env = Builder(trace, feeds).run()
+        env = GraphReplay(trace, feeds).run()
     return frozenset(OutputRef(i, j) for (i, j), t in env.items()
                      if not t.shape.is_fully_defined())

@@ -20,12 +20,12 @@ from __future__ import annotations
 import functools
 import weakref
 
-import numpy as np
 import tensorflow as tf
 
 from terra import _tf_private as tfp
 from terra.ir.op_kinds import HOST_OPS
-from terra.ir.records import ConstRef, FeedRef, OutputRef, Trace, VariableRef
+from terra.compiler.interpret import Interpreter
+from terra.ir.records import Trace, VariableRef
 from terra.runtime.placeholders import Placeholder
 
 # Ops whose first input is a variable they update (anything else taking a variable only reads).
@@ -185,70 +185,40 @@ def _attrs_flat(rec) -> tuple:
     return out
 
 
-class EagerReplay:
-    """Executes records eagerly (recording gradients on active tapes) into `env`."""
+class EagerReplay(Interpreter):
+    """The eager emitter of the trace interpreter: executes records eagerly (recording gradients
+    on active tapes) into `env`."""
 
     def __init__(self, trace: Trace, feed_values: dict, tape_spans=(), watches=None,
                  pre_watch=None):
-        self.trace = trace
+        super().__init__(trace, feed_values)
         self.pre_watch = pre_watch or {}  # tape -> tensors to watch once it records
         self.watches = watches or {}   # (record, index) -> tapes that watch that output
         # (tape, first record, end record or None): tapes open over those records in eager;
         # the replay puts exited tapes back on the stack over their span.
         self.tape_spans = tape_spans
-        self.feeds = feed_values
-        self.env: dict = {}
-        self.consts: dict = {}
         self.converted: dict = {}   # slot -> tensor made from a non-tensor feed value
-        self.at = None
 
-    def value(self, ref, dtype):
-        if isinstance(ref, OutputRef):
-            return self.env[(ref.record, ref.index)]
-        if isinstance(ref, FeedRef):
-            v = self.feeds[ref.slot]
-            if isinstance(v, Placeholder):
-                v = v._terra_materialize()
-            if isinstance(v, tfp.EagerTensorBase):
-                return v
-            t = self.converted.get(ref.slot)
-            if t is None:
-                t = self.converted[ref.slot] = tf.convert_to_tensor(
-                    v, self.trace.feeds[ref.slot].spec.dtype)
-            return t
-        if isinstance(ref, VariableRef):
-            var = self.trace.variables[ref.key]
-            if dtype == "resource" or dtype is None:
-                return var.handle if isinstance(var, tfp.BaseResourceVariable) else var
-            return var.read_value() if isinstance(var, tfp.BaseResourceVariable) else \
-                tfp.read_variable_op(var, dtype)
-        if isinstance(ref, ConstRef):
-            c = self.consts.get(ref)
-            if c is None:
-                np_dtype = object if ref.dtype == "string" else tf.as_dtype(ref.dtype).as_numpy_dtype
-                c = self.consts[ref] = tf.constant(np.array(ref.value, dtype=np_dtype), ref.dtype)
-            return c
-        raise TypeError(f"fallback replay: unknown ref {ref!r}")
+    def feed(self, slot):
+        v = self.feeds[slot]
+        if isinstance(v, Placeholder):
+            v = v._terra_materialize()
+        if isinstance(v, tfp.EagerTensorBase):
+            return v
+        t = self.converted.get(slot)
+        if t is None:
+            t = self.converted[slot] = tf.convert_to_tensor(v, self.trace.feeds[slot].spec.dtype)
+        return t
 
-    def _flat_inputs(self, rec):
-        if rec.route == "function":
-            return [self.value(r, None) for r in rec.inputs]
-        op_def = tfp.get_op_def(rec.op_type)
-        attrs = dict(rec.attrs)
-        flat = []
-        for arg, ref in zip(op_def.input_arg, rec.inputs):
-            if arg.type_list_attr:
-                flat += [self.value(r, d) for r, d in zip(ref, attrs[arg.type_list_attr])]
-            else:
-                dtype = attrs.get(arg.type_attr) if arg.type_attr else tf.as_dtype(arg.type).name
-                if arg.number_attr:
-                    flat += [self.value(r, dtype) for r in ref]
-                else:
-                    flat.append(self.value(ref, dtype))
-        return flat
+    def variable(self, ref, dtype):
+        var = self.trace.variables[ref.key]
+        if dtype == "resource" or dtype is None:
+            return var.handle if isinstance(var, tfp.BaseResourceVariable) else var
+        return var.read_value() if isinstance(var, tfp.BaseResourceVariable) else \
+            tfp.read_variable_op(var, dtype)
 
-    def run(self, upto: int) -> dict:
-        ctx = tfp.context()
+    def run(self, upto: int | None = None) -> dict:
+        upto = len(self.trace.records) if upto is None else upto
         spans = [(t, a, b) for t, a, b in self.tape_spans
                  if not tfp.tape_is_recording(t) and tfp.tape_has_state(t) and a < upto]
         for t, values in self.pre_watch.items():
@@ -258,7 +228,6 @@ class EagerReplay:
         resumed = []
         try:
             for rec in self.trace.records[:upto]:
-                self.at = rec.index  # the record being replayed (the failing one on an error)
                 for t, a, b in spans:
                     if a == rec.index and t not in resumed:
                         tfp.resume_tape(t)
@@ -268,15 +237,15 @@ class EagerReplay:
                     if b == rec.index and t in resumed:
                         tfp.pause_tape(t)
                         resumed.remove(t)
-                self._run_one(rec, ctx, tfp.execute_module)
+                self.step(rec)  # (`at`: the failing record on an error)
         finally:
             for t in resumed:
                 tfp.pause_tape(t)
         return self.env
 
-    def _run_one(self, rec, ctx, _execute):
+    def emit(self, rec):
         if rec.op_type in HOST_OPS:  # the program's thread ran it when it got there
-            return
+            return None
         if not rec.taped and rec.route != "function":
             # eager ran it with every tape stopped (`tape.stop_recording()`, `tf.stop_gradient`):
             # recorded now, gradients would flow through it (twice the gradient of `w * a` with
@@ -285,25 +254,28 @@ class EagerReplay:
             # itself, as the replay's TapeRecordedFunction does: a function record's flag says
             # nothing)
             with tfp.stop_recording():
-                return self._run_recorded(rec, ctx, _execute)
-        self._run_recorded(rec, ctx, _execute)
+                return self.op(rec)
+        return super().emit(rec)
 
-    def _run_recorded(self, rec, ctx, _execute):
-        inputs = self._flat_inputs(rec)
-        if rec.route == "function":
-            fn = self.trace.functions[rec.function]
-            outs = fn.call_flat(*inputs)
-        elif rec.op_type == "ReadVariableOp" and isinstance(rec.inputs[0], VariableRef) and \
+    def function(self, rec):
+        return self.trace.functions[rec.function].call_flat(*self.flat_inputs(rec))
+
+    def op(self, rec):
+        inputs = self.flat_inputs(rec)
+        if rec.op_type == "ReadVariableOp" and isinstance(rec.inputs[0], VariableRef) and \
                 isinstance(self.trace.variables.get(rec.inputs[0].key), tfp.BaseResourceVariable):
             # through the variable, so active tapes watch it as eager did
-            outs = [self.trace.variables[rec.inputs[0].key].value()]
-        else:
-            attrs = _attrs_flat(rec)
-            outs = _execute.execute(rec.op_type, len(rec.outputs), inputs, attrs, ctx)
-            if outs and _execute.must_record_gradient():
-                _execute.record_gradient(rec.op_type, inputs, attrs, outs)
+            return [self.trace.variables[rec.inputs[0].key].value()]
+        execute = tfp.execute_module
+        attrs = _attrs_flat(rec)
+        outs = execute.execute(rec.op_type, len(rec.outputs), inputs, attrs, tfp.context())
+        if outs and execute.must_record_gradient():
+            execute.record_gradient(rec.op_type, inputs, attrs, outs)
+        return outs
+
+    def write(self, rec, outs) -> None:
+        super().write(rec, outs)
         for j, t in enumerate(outs or ()):
-            self.env[(rec.index, j)] = t
             for tape in self.watches.get((rec.index, j), ()):
                 if tfp.tape_has_state(tape):  # (none: its gradient, later, is already taken)
                     tfp.PlainGradientTape.watch(tape, t)

@@ -15,7 +15,6 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from terra import _tf_private as tfp
 from terra.ir.records import ConstRef, FeedRef, OutputRef, Trace
 from terra.runtime.fallback import EagerReplay
 
@@ -87,7 +86,7 @@ class StaticValues:
                     self._replay.env[(r.record, r.index)] = v
                 elif not isinstance(r, ConstRef):
                     return None
-            self._replay._run_one(rec, tfp.context(), tfp.execute_module)
+            self._replay.step(rec)
             value = self._replay.env[(rec.index, ref.index)]
         else:
             return None
