@@ -10,6 +10,7 @@ import sys
 
 import tensorflow as tf
 
+from terra.runtime.mode import Mode
 from terra.runtime.placeholders import Placeholder
 from terra.runtime import units
 from terra.runtime.session import SESSION
@@ -51,7 +52,7 @@ class GradientTape(tf.GradientTape):
     @_not_converted
     def watch(self, tensor):
         it = SESSION.iteration
-        skipping = it is not None and it.mode == "skip" and self in it.tapes
+        skipping = it is not None and it.mode == Mode.SKIP and self in it.tapes
         for t in tf.nest.flatten(tensor):
             self._terra_watched.append(t)
             if skipping and isinstance(t, Placeholder):

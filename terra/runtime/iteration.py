@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from terra.config import CONFIG
+from terra.runtime.mode import Mode
 from terra.errors import TerraRuntimeError
 from terra.ir.records import FeedRef, OutputRef
 from terra.runtime.fallback import EagerReplay, Snapshot, bind_placeholders
@@ -36,7 +37,7 @@ class Iteration(IterationEnd):
         self.site = site
         self.frame = frame
         self.number = number
-        self.mode = "eager"
+        self.mode = Mode.EAGER
         self.recorder: ContinuingRecorder | None = None
         self.runner: PythonRunner | None = None
         self.path: Path | None = None
@@ -84,9 +85,9 @@ class Iteration(IterationEnd):
 
     # ---------------------------------------------------------------- co-execution
     def position(self) -> int:
-        if self.mode == "skip":
+        if self.mode == Mode.SKIP:
             return self.runner.pos
-        if self.mode == "tracing" and self.recorder is not None:
+        if self.mode == Mode.TRACING and self.recorder is not None:
             return len(self.recorder.trace.records)
         return 0
 
@@ -164,13 +165,13 @@ class Iteration(IterationEnd):
             self.hold = None
             self.runner.advance = self.exe.advance
             if eager_next:
-                s.collect_pending(convert=False)
+                s.inflight.collect(convert=False)
             return
         if eager_next or self.run is not None or self.runner is not None and \
                 self.exe.queued(self.runner):  # (before a drain: earlier runs take theirs first)
-            s.collect_pending(convert=False)
+            s.inflight.collect(convert=False)
         if self.run is None:
-            if self.mode == "skip" and self.runner is not None and \
+            if self.mode == Mode.SKIP and self.runner is not None and \
                     self.exe.queued(self.runner):
                 # lazy mode: nothing ran, but what Python put is queued
                 self.graph().drain()
@@ -211,9 +212,9 @@ class Iteration(IterationEnd):
         inside a `try` of the program entered every step (`PathView.end_sync`): a failed run
         falls back here, and the eager replay raises the op's error inside that `try`."""
         s = self.session
-        if s.pending:
-            s.collect_pending()  # runs in order: an earlier one first (may fall back)
-            if self.mode != "skip":
+        if s.inflight.pending:
+            s.inflight.collect()  # runs in order: an earlier one first (may fall back)
+            if self.mode != Mode.SKIP:
                 return
         if not self.exe.waits_at_end:
             return
@@ -234,7 +235,7 @@ class Iteration(IterationEnd):
         """Value of a placeholder of this iteration (a Python sync point)."""
         s = self.session
         with s.internal():
-            if self.mode == "skip":
+            if self.mode == Mode.SKIP:
                 # a shape the path fixes: no need to wait (unless this iteration's shapes differ
                 # from the path's there: PythonRunner.shape_from)
                 v = self.path.static.get(ref) if self.runner.shape_from is None or \
@@ -243,9 +244,9 @@ class Iteration(IterationEnd):
                     self.runner.log_fetch(ref)
                     s.counters.static_reads += 1
                     return v
-            if self.mode == "skip" and s.pending:
-                s.collect_pending()  # our run comes after theirs anyway; may fall back
-            if self.mode == "skip":
+            if self.mode == Mode.SKIP and s.inflight.pending:
+                s.inflight.collect()  # our run comes after theirs anyway; may fall back
+            if self.mode == Mode.SKIP:
                 exe = self.exe
                 if exe.fetchable(ref) and ref not in self.fetched:
                     self.start_graph()
@@ -278,7 +279,7 @@ class Iteration(IterationEnd):
                 v = self._early_liveout(ref)
                 if v is not None:
                     return v
-                s.collect_pending()
+                s.inflight.collect()
             v = self.outputs.get(ref)
             if v is None:
                 v = self.replayed.get((ref.record, ref.index))
@@ -306,7 +307,7 @@ class Iteration(IterationEnd):
             return np.asarray(v)
         if not self.exe.fetchable(ref) or ref in self.fetched:
             return None
-        return runner._placeholder(self.path.trace.records[ref.record], ref.index).numpy()
+        return runner.placeholder(self.path.trace.records[ref.record], ref.index).numpy()
 
     def _early_liveout(self, ref):
         """A value this finished iteration left to the program, read from its fetch channel
@@ -365,7 +366,7 @@ class Iteration(IterationEnd):
                 runner.view = q.view
                 s = self.session
                 s.counters.case_switches += 1
-                s._event("case_switch", self.site, self.number, f"p{cur.id} -> p{q.id} at "
+                s.event("case_switch", self.site, self.number, f"p{cur.id} -> p{q.id} at "
                          f"op #{pos} in the site graph: {d.reason}", d.location)
                 return True
         for q in candidates:
@@ -375,7 +376,7 @@ class Iteration(IterationEnd):
                 s.counters.held_switches += 1
             with s.internal():
                 self.abandon_run(eager_next=False)
-                if s.deferred_error is not None:  # an earlier iteration failed: fall back
+                if s.inflight.error is not None:  # an earlier iteration failed: fall back
                     return False
                 self.run = None
                 self.path = q
@@ -388,7 +389,7 @@ class Iteration(IterationEnd):
                     self.start_graph(early=True)
             s.counters.path_switches += 1
             self.missed = True
-            s._event("switch", self.site, self.number, f"p{cur.id} -> p{q.id} at op #{pos}: "
+            s.event("switch", self.site, self.number, f"p{cur.id} -> p{q.id} at op #{pos}: "
                      f"{d.reason}", d.location)
             return True
         return False
@@ -403,7 +404,7 @@ class Iteration(IterationEnd):
         with s.internal():
             self.abandon_run()
             self.use(PathRun(self.path))
-            self.mode = "done"  # until the replay succeeded
+            self.mode = Mode.DONE  # until the replay succeeded
             watches: dict = {}
             pre_watch: dict = {}
             for tape in self.tapes:
@@ -437,10 +438,10 @@ class Iteration(IterationEnd):
             hook.set_active(None)  # internal() hands ops to the recorder when Terra's work is done
             rec.release_seed()
             self.recorder = rec
-            self.mode = "tracing"
+            self.mode = Mode.TRACING
         if error is not None:
             raise error from None
-        s.raise_deferred()
+        s.inflight.raise_error()
         return rec
 
 

@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from terra import _tf_private as tfp
 from terra.config import CONFIG
+from terra.runtime.mode import Mode
 from terra.errors import TerraRuntimeError
 from terra.runtime.held import kept_unresolved
 from terra.runtime.divergence import GRAPH_ERROR, Divergence, DivergenceKind, user_line
@@ -36,11 +37,11 @@ class IterationEnd:
         is over): end the iteration here; that op and the next ones run eagerly, outside any
         iteration, until the next tape."""
         s = self.session
-        s._event("end", self.site, self.number, f"iteration ended by {d.observed} after the "
+        s.event("end", self.site, self.number, f"iteration ended by {d.observed} after the "
                  f"last op of the path; following ops run eagerly", d.location)
         with s.internal():
             self.finish()
-        s.collect_pending()  # the next ops run eagerly
+        s.inflight.collect()  # the next ops run eagerly
 
     def finish(self) -> None:
         """End the iteration (the next __enter__, reset, or leaving the site)."""
@@ -50,7 +51,7 @@ class IterationEnd:
         # alive: they would pass for values the program keeps (`held_refs`, `kept_unresolved`)
         # and be fetched every step. (A fallback from here records from the current frame.)
         self.frame = None
-        if self.mode == "skip":
+        if self.mode == Mode.SKIP:
             if self.runner.pos < self.path.view.n and not self.switch(
                     Divergence(user_line(), "", "", self.runner.pos, "iteration ended"), True):
                 if self._pure_tail():
@@ -61,17 +62,17 @@ class IterationEnd:
                                              "iteration ended early"))
             else:
                 self._finish_skip()
-        if self.mode == "tracing":
+        if self.mode == Mode.TRACING:
             self.replayed = {}  # bound placeholders keep what the program still holds
-            s.finish_trace(self)
-        if self.mode == "skip":
+            s.filing.file(self)
+        if self.mode == Mode.SKIP:
             s.counters.python_exec_s += time.perf_counter() - self.t0 - self.stall
             if not self.path.hits:
                 self.path.first_hit = self.number
             self.path.hits += 1
             self.site.last_path = self.path
             self.site.note_path(self.path)
-        self.mode = "done"
+        self.mode = Mode.DONE
         hook.set_active(None)
 
     def _pure_tail(self) -> bool:
@@ -98,16 +99,16 @@ class IterationEnd:
                 if slot not in runner.fed:
                     runner.record_feed(slot, trace.feed_values[slot], trace.feed_values[slot])
         s.counters.pure_tails += 1
-        s._event("end", self.site, self.number, f"iteration ended {self.path.view.n - runner.pos} "
+        s.event("end", self.site, self.number, f"iteration ended {self.path.view.n - runner.pos} "
                  f"ops before the end of path p{self.path.id}; those ops are pure: the graph runs "
                  f"them on the traced feed values, unread", None)
         self._finish_skip()
 
     def _finish_skip(self) -> None:
         s = self.session
-        if s.pending:
-            s.collect_pending()  # at most one iteration in flight; may fall back (and raise)
-            if self.mode != "skip":
+        if s.inflight.pending:
+            s.inflight.collect()  # at most one iteration in flight; may fall back (and raise)
+            if self.mode != Mode.SKIP:
                 return
         with s.internal():
             ended = self.exe.finish()  # the choices known only at the end
@@ -126,8 +127,7 @@ class IterationEnd:
                 return
             self.exe.leave_unread(self.fetched)
             self.runner.placeholders = {}
-            self.pending = True
-            s.pending.append(self)
+            s.inflight.add(self)
             s.counters.overlapped_iterations += 1
             return
         with s.internal():

@@ -123,7 +123,7 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
                 return run()         # (the execute hook resolves the placeholders in place)
             return outs
         except Diverged as d:
-            self._rollback(mark)
+            self.rollback(mark)
             if d.divergence.kind is not DivergenceKind.GRAPH_ERROR:
                 tried = {id(self.iteration.path)}
                 pos = self.pos
@@ -140,7 +140,7 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
                     try:
                         return self._skip(op_type, inputs, attrs, route)
                     except Diverged as d2:
-                        self._rollback(mark)
+                        self.rollback(mark)
                         d = d2
             if d.divergence.kind is DivergenceKind.PAST_END and \
                     not self.iteration.extended_elsewhere():
@@ -217,7 +217,7 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
         self.pos = p + 1
         if self.advance is not None:
             self.advance(p + 1)
-        outs = [self._placeholder(rec, j) for j in range(len(rec.outputs))]
+        outs = [self.placeholder(rec, j) for j in range(len(rec.outputs))]
         if p in view.barriers:  # inside the program's try: its error is raised here
             outs[0]._terra_materialize()
         if self.pos == view.n and view.end_sync:
@@ -308,7 +308,7 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
                         self._diverge("different constant", e, born[1])
                     return
             if isinstance(e, FeedRef):
-                self._feed(e.slot, v, v)
+                self.feed(e.slot, v, v)
                 return
             self._diverge("external tensor where the path has no feed", e, f"tensor {v.shape}")
         if isinstance(v, tfp.BaseResourceVariable):
@@ -321,7 +321,7 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
                     self._diverge("different constant", e, "ndarray")
                 return
             if isinstance(e, FeedRef):
-                self._feed(e.slot, v, v)
+                self.feed(e.slot, v, v)
                 return
             self._diverge("numpy value where the path has no feed", e, f"ndarray {v.shape}")
         if is_python_value(v):
@@ -334,7 +334,7 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
                     self._diverge("different constant", e, repr(v)[:60])
                 return
             if isinstance(e, FeedRef):
-                self._feed(e.slot, v, v)
+                self.feed(e.slot, v, v)
                 return
             self._diverge("Python value where the path has no feed", e, repr(v)[:60])
         handle = getattr(v, "handle", None)  # keras.Variable and friends
@@ -342,7 +342,7 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
             return
         self._diverge("unsupported input", e, type(v).__name__)
 
-    def _feed(self, slot, obj, value):
+    def feed(self, slot, obj, value):
         prev = self.fed_ids.get(slot)
         if prev is not None:
             if prev != id(obj):
@@ -437,14 +437,14 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
         self.fed_order.append(slot)
         self.iteration.put_feed(slot, value)
 
-    def _rollback(self, mark):
+    def rollback(self, mark):
         """Forget feeds of an op that diverged half-way (its channel is drained or replaced)."""
         while len(self.fed_order) > mark:
             slot = self.fed_order.pop()
             self.fed.pop(slot, None)
             self.fed_ids.pop(slot, None)
 
-    def _placeholder(self, rec, j):
+    def placeholder(self, rec, j):
         key = (rec.index, j)
         ph = self.placeholders.get(key)
         if ph is None:

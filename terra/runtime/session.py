@@ -1,5 +1,5 @@
-"""The session: the table of sites, tape enter/exit routing, trace filing and graph builds,
-pipelined iterations, and `stats` / `explain` / `reset`.
+"""The session: the table of sites, tape enter/exit routing, and `stats` / `explain` /
+`reset`.
 
 An *iteration* runs from one `TerraGradientTape.__enter__` to the next `__enter__` at the same
 program site (ARCHITECTURE.md §2); a tape entered at another site while the iteration's frame is
@@ -15,9 +15,11 @@ Per site the session goes through phases:
 - eager: a site that needed more than `max_traces` traces or `max_fallbacks` fallbacks, or whose
   traces cannot be compiled, stays eager (one warning, reason in `explain()`).
 
-The rooms it uses: sites.py (Site and Path data, signatures, what cannot be compiled),
-generalize.py (changed constants become feeds), policy.py (when a path is built and when a site
-gives up), builds.py (building and installing the graphs of paths, on this thread or the
+The rooms it uses: sites.py (Site and Path data, signatures, what cannot be compiled, the
+path an iteration is predicted to take), filing.py (a finished trace filed under its path,
+built or not, and whether the site gives up), generalize.py (changed constants become feeds),
+policy.py (when a path is built and when a site gives up), inflight.py (iterations whose runs
+are still going, late errors), mode.py (an iteration's modes), builds.py (building and installing the graphs of paths, on this thread or the
 builder's), path_graph.py (one path as one graph), site_graph.py (all compiled paths of a site as
 one lowered graph), iteration.py (one iteration: skip mode, switches, fallback, end), units.py
 (coarse units: gradient, apply_gradients, layer and tf.function calls), explain.py (events,
@@ -32,29 +34,24 @@ import warnings
 
 import tensorflow as tf
 
-from terra import _tf_private as tfp
 from terra.config import CONFIG
+from terra.runtime.mode import Mode
 from terra.runtime import units as unit_rules
 from terra.runtime import explain
 from terra.runtime.builds import Builds
 from terra.runtime.explain import Counters, Event, EventKind
-from terra.runtime.fallback import EagerReplay, Snapshot
-from terra.runtime.held import held_refs
+from terra.runtime.fallback import Snapshot
+from terra.runtime.filing import Filing
+from terra.runtime.inflight import InFlight
 from terra.runtime.interrupts import held_interrupts
-from terra.runtime.iteration import Iteration, with_location
-from terra.runtime.iteration_end import FAILED
+from terra.runtime.iteration import Iteration
 from terra.runtime.path_graph import ConfiguredRunner
 from terra.runtime.divergence import Divergence, user_line
-from terra.runtime.path_view import PathView
 from terra.runtime.python_runner import PythonRunner
 from terra.runtime.roles import VariableRoles
 from terra.runtime.executable import PathRun
-from terra.runtime import policy
 from terra.runtime.site_graph import SiteRun
-from terra.runtime.generalize import generalize, read_changed_spans
-from terra.runtime.sites import (KNOWN_FALLBACK_GAP, KNOWN_REUSE_GAP, Path, Site,
-                                 path_signature, reads_feed_values,
-                                 uncompilable, units_for)
+from terra.runtime.sites import Site
 from terra.tracing import hook
 from terra.tracing.recorder import ContinuingRecorder
 from terra.tracing.locations import caller_step_try
@@ -73,39 +70,42 @@ class Session:
         self._graphs: list = []
         self.runner = ConfiguredRunner(error_context=self._error_context)
         self._warned: set = set()
-        self._depth = 0
-        self._layer_depth = 0
-        self.pending: list = []          # finished iterations whose runs are not collected yet
+        self.internal_depth = 0
+        self.layer_depth = 0
         self.owner: int | None = None    # the thread whose tapes Terra runs (threading ident)
         self._foreign_warned: set = set()
-        self.deferred_error = None       # an earlier iteration's error, raised at a sync point
-        self._tape_functions: dict = {}   # forward function name -> TapeRecordedFunction
-        self._function_ops: dict = {}     # function name -> op types in its body
+        self.tape_functions: dict = {}   # forward function name -> TapeRecordedFunction
+        self.function_ops: dict = {}     # function name -> op types in its body
         self.roles = VariableRoles()      # where each variable was made (roles.py)
         self.builds = Builds(sites=self.sites, counters=self.counters, graphs=self._graphs,
-                             event=self._event, internal=self.internal, go_eager=self._go_eager)
+                             event=self.event, internal=self.internal, go_eager=self._go_eager)
+        self.filing = Filing(builds=self.builds, counters=self.counters, event=self.event,
+                             go_eager=self._go_eager)
+        self.inflight = InFlight(runner=self.runner, graphs=self._graphs, internal=self.internal,
+                                 counters=self.counters, event=self.event,
+                                 current=lambda: self.iteration)
 
     # ---------------------------------------------------------------- helpers
     @contextlib.contextmanager
     def internal(self):
         """Run Terra's own TF calls without interception; afterwards route ops to whatever the
         current iteration needs (it may have changed inside)."""
-        self._depth += 1
+        self.internal_depth += 1
         hook.set_active(None)
         try:
             yield
         finally:
-            self._depth -= 1
-            if not self._depth:
+            self.internal_depth -= 1
+            if not self.internal_depth:
                 hook.set_active(self._interceptor())
 
     def _interceptor(self):
         it = self.iteration
         if it is None:
             return None
-        if it.mode == "skip":
+        if it.mode == Mode.SKIP:
             return it.runner
-        if it.mode == "tracing" and it.recorder is not None and it.recorder.recording:
+        if it.mode == Mode.TRACING and it.recorder is not None and it.recorder.recording:
             return it.recorder
         return None
 
@@ -154,7 +154,7 @@ class Session:
                       f"thread at a time and another thread holds it (see terra.explain())",
                       RuntimeWarning, stacklevel=4)
 
-    def _event(self, kind, site, it_number, detail, where="", reason=""):
+    def event(self, kind, site, it_number, detail, where="", reason=""):
         e = Event(EventKind(kind), site.label, it_number, detail, where or "", reason)
         self.events.append(e)
         if CONFIG.verbose:
@@ -165,7 +165,7 @@ class Session:
         it.site.fallbacks += 1
         it.fallback_gap = it.number - it.site.last_fallback
         it.site.last_fallback = it.number
-        self._event("fallback", it.site, it.number, f"{d.reason}: expected {d.expected}, "
+        self.event("fallback", it.site, it.number, f"{d.reason}: expected {d.expected}, "
                     f"observed {d.observed} (op #{d.position})", d.location, d.reason)
 
     def _ensure_hook(self):
@@ -174,78 +174,6 @@ class Session:
             self._installed = True
             hook.route_units(unit_rules.router(self))
             hook.on_variable(self.roles.created)
-
-    # ---------------------------------------------------------------- pipelined iterations
-    def collect_pending(self, convert: bool = True) -> None:
-        """Wait for the runs of finished iterations (oldest first) and keep their outputs.
-
-        A failed run is an op error of an iteration the program has already left: the later runs
-        are cancelled, every variable goes back to that iteration's start, and its ops are
-        replayed eagerly, so the error is raised by the same op as in eager and leaves the
-        variables exactly as eager leaves them. The error is then raised at this sync point; with
-        `convert` the current iteration first falls back (its ops so far run eagerly)."""
-        while self.pending:
-            self._collect(self.pending[0])
-        if self.deferred_error is not None and convert:
-            it = self.iteration
-            if it is not None and it.mode == "skip":
-                it.fallback(Divergence(user_line(), "no error", "an error of an earlier "
-                                       "iteration", it.runner.pos, "graph error of the "
-                                       "previous iteration"))
-            self.raise_deferred()
-
-    def raise_deferred(self) -> None:
-        e, self.deferred_error = self.deferred_error, None
-        if e is not None:
-            raise e
-
-    def _collect(self, it) -> None:
-        try:
-            with self.internal():
-                outs = self.runner.result(timeout=CONFIG.timeout_s, run=it.run)
-        except tf.errors.OpError:
-            outs = FAILED
-        finally:
-            self.pending.remove(it)
-            it.pending = False
-        if outs is not FAILED:
-            with self.internal():
-                it.outputs = it.exe.outputs(outs, self.runner.fetch)
-                it.graph().drop_stale()
-            it.release()
-            return
-        with self.internal():
-            cur = self.iteration
-            later = [x for x in self.pending + [cur] if x is not None and x is not it and
-                     (x in self.pending or x.mode == "skip") and x.run is not None]
-            self.runner.cancel(timeout=CONFIG.timeout_s, first=it.run)
-            for x in reversed(later):  # newest first: back to the failed iteration's start
-                if x.snap is not None:
-                    x.snapshot().restore(x.snap)
-                x.run, x.snap = None, None
-            for x in later:
-                if x in self.pending:
-                    self.pending.remove(x)
-                    x.pending = False
-            for g in self._graphs:
-                g.drain()
-            if it.snap is not None:
-                it.snapshot().restore(it.snap)
-            rp = EagerReplay(it.path.trace, it.runner.fed)
-            try:
-                rp.run(len(it.path.trace.records))
-                error = None
-            except tf.errors.OpError as e:
-                error = e
-            it.outputs = {r: rp.env[(r.record, r.index)] for r in it.liveouts()
-                          if (r.record, r.index) in rp.env}
-        self.counters.fallbacks += 1
-        it.site.fallbacks += 1
-        self._event("fallback", it.site, it.number, "the graph run failed after the iteration's "
-                    "last sync point; replayed eagerly" + (f": {type(error).__name__}"
-                                                           if error is not None else ""))
-        if error is not None and self.deferred_error is None:
-            self.deferred_error = with_location(error, it, rp.at, late=True)
 
     # ---------------------------------------------------------------- tapes
     def tape_enter(self, tape, frame) -> None:
@@ -257,7 +185,7 @@ class Session:
         self.owner = threading.get_ident()
         key = (frame.f_code, frame.f_lasti)
         it = self.iteration
-        if it is not None and it.mode != "done":
+        if it is not None and it.mode != Mode.DONE:
             if key != it.site.key and it.frame_alive():
                 it.add_tape(tape)
                 return
@@ -275,15 +203,16 @@ class Session:
         if self.builds.builder.jobs:
             with self.internal():
                 self.builds.install_finished()
-        if self.pending and (site.eager_reason is not None or self._predict(site) is None):
+        if self.inflight.pending and (site.eager_reason is not None or
+                                      site.predict() is None):
             with held_interrupts():  # ops of this iteration run eagerly: earlier runs end first
-                self.collect_pending()
+                self.inflight.collect()
         prev = self.iteration
         if prev is not None and prev.predicted:
             held = prev.site.holds_runs()
             prev.site.misses.append(prev.missed)
             if prev.site.holds_runs() != held:
-                self._event("hold", prev.site, prev.number, (
+                self.event("hold", prev.site, prev.number, (
                     f"{sum(prev.site.misses)} of the last {len(prev.site.misses)} compiled "
                     "iterations left the path they started on: runs wait until Python has told "
                     "their path apart from the others") if not held else (
@@ -294,13 +223,13 @@ class Session:
         self.iteration = it
         if site.eager_reason is not None:
             site.phase = "eager"
-            it.mode = "eager"
+            it.mode = Mode.EAGER
             return
-        path = self._predict(site)
+        path = site.predict()
         if path is not None:
             path = self.builds.by_role(site, path, it.number, self.roles)
             site.phase = "coexecution"
-            it.mode = "skip"
+            it.mode = Mode.SKIP
             it.path = path
             it.runner = PythonRunner(it, path.view)
             sg = site.site_graph
@@ -313,29 +242,10 @@ class Session:
             hook.set_active(it.runner)
             return
         site.phase = "tracing"
-        it.mode = "tracing"
+        it.mode = Mode.TRACING
         rec = ContinuingRecorder(site.label, CONFIG.max_trace_ops)
         rec.start(frame)
         it.recorder = rec
-
-    def _predict(self, site):
-        """The compiled path this iteration most likely takes: the previous path's most
-        frequent compiled successor (a read every tenth step, an epoch's end, a rare branch are
-        followed by the common path again), else the last compiled path run."""
-        by_id = None
-        for i in site.likely_next():
-            if by_id is None:
-                by_id = {q.id: q for q in site.paths.values()}
-            q = by_id.get(i)
-            if q is not None and q.graph is not None and not q.stale:
-                return q
-        p = site.last_path
-        if p is not None and p.graph is not None and not p.stale:
-            return p
-        for p in reversed(list(site.paths.values())):
-            if p.graph is not None and not p.stale:
-                return p
-        return None
 
     def tape_exit(self, tape, exc_type) -> None:
         it = self.iteration
@@ -343,119 +253,14 @@ class Session:
             return
         if tape in it.tapes:
             it.tape_exited(tape)
-        if exc_type is None or it.mode != "skip":
+        if exc_type is None or it.mode != Mode.SKIP:
             return
         it.fallback(Divergence(user_line(), "no exception", exc_type.__name__, it.runner.pos,
                                "exception in the iteration"))
 
-    # ---------------------------------------------------------------- traces
-    def finish_trace(self, it) -> None:
-        rec = it.recorder
-        trace = rec.stop()
-        live = held_refs(rec)
-        self.counters.traces += 1
-        site = it.site
-        if not trace.records:
-            # no TF op ran (the program raised, or skipped the step, before its first op): no
-            # evidence about the site's paths, so nothing is filed and nothing counts against it
-            self._event("trace", site, it.number, "empty iteration (no TF op ran): not filed")
-            return
-        site.traces += 1
-        units = units_for(trace, rec.units)
-        why = uncompilable(trace, units)
-        sig = path_signature(trace, units)
-        path = site.paths.get(sig)
-        if path is None and why is None and not reads_feed_values(units):
-            # the most general path first: its generalization keeps what it already feeds
-            for other in sorted(site.paths.values(), key=lambda p: -len(p.trace.feeds)):
-                if other.signature[2] != sig[2] or other.why_uncompilable() or \
-                        reads_feed_values(other.units):
-                    continue
-                g = generalize(other.trace, trace, read_changed_spans(units, other.units))
-                if g is not None:
-                    trace = g
-                    units = units_for(g, rec.units)
-                    sig = path_signature(g, units)
-                    path = site.paths.get(sig)
-                    if path is None:
-                        path = Path(sig, trace, units, id=site.new_path_id(), count=other.count,
-                                    first_seen=other.first_seen, liveouts=set(other.liveouts),
-                                    fetch_points=dict(other.fetch_points),
-                                    outside_reads=set(other.outside_reads))
-                        site.paths[sig] = path
-                        self._event("trace", site, it.number, f"path p{other.id} generalized "
-                                    f"to p{path.id}: changing Python values become feeds")
-                    break
-        new = path is None
-        if new:
-            path = Path(sig, trace, units, id=site.new_path_id(), first_seen=it.number,
-                        late=any(p.graph is not None for p in site.paths.values()))
-            site.paths[sig] = path
-        elif path.by_role:
-            # predicted over new variables, now traced: its units' guards are this trace's (a
-            # unit guarded on an object made anew with the variables, such as a task's optimizer)
-            path.units, path.by_role, path.view = units, False, None
-        path.absorb(trace, live, trace.fetches, site.seen_objects)
-        path.last_seen = it.number
-        for v in trace.feed_values:  # tensors seen as feeds: a unit may rely on TF's cached ones
-            if isinstance(v, tfp.EagerTensorBase) and v.shape.num_elements() <= 64:
-                site.seen_objects[id(v)] = v
-        detail = (f"new path p{path.id} ({len(trace.records)} ops, {len(trace.feeds)} feeds)"
-                  if new else f"path p{path.id} seen {path.count} times")
-        if why:
-            detail += f"; not compilable: {why}"
-        building = self.builds.builder.building(path)
-        if building and it.fallback_gap is not None:
-            # its graph is being built: the fallback is the cost of not waiting for it
-            site.known_fallbacks += 1
-            detail += "; its graph is being built: not held against max_fallbacks"
-        elif not new and it.fallback_gap is not None and it.fallback_gap >= KNOWN_FALLBACK_GAP:
-            # a path seen before, reached after a run of compiled iterations (an epoch's end):
-            # a known, bounded cost per occurrence, so it does not count towards max_fallbacks
-            site.known_fallbacks += 1
-            detail += "; a known path after compiled iterations: not held against max_fallbacks"
-        self._event("trace", site, it.number, detail, "")
-        if new and why is None and CONFIG.shape_groups and not CONFIG.site_graph and \
-                self.builds.join_group(site, path, it.number) == "reuse" and \
-                it.fallback_gap is not None:
-            # a new shape on a group's graph costs this trace and no build: bounded per shape
-            # (a site whose shapes never repeat gives up through the churn rule below)
-            site.known_fallbacks += 1
-        if why is None and path.stale and (path.count >= 2 or policy.compiled(site)):
-            # a path not yet due for a build still takes another path's graph over its own
-            # variables at once (no build: a task's model made anew); a compiled path that
-            # learned a fetch is rebuilt at once
-            due = path.graph is not None or policy.due(site, path, it.number)
-            self.builds.build(site, path, it.number, reuse_only=not due)
-            if new and path.rebound is not None and it.fallback_gap is not None and \
-                    it.fallback_gap >= KNOWN_REUSE_GAP:
-                site.known_fallbacks += 1  # a bounded cost per occurrence: see KNOWN_REUSE_GAP
-        elif path.view is None and path.graph is not None:
-            path.view = PathView(path.trace, path.usable_units(), site.key, site.caller_step_try)
-        for other in list(site.paths.values()):
-            # a compiled path that learned a fetch in this iteration (Iteration.get: a value
-            # Python read where the path's graph did not fetch it) is rebuilt now: a stale path
-            # is never predicted, and might never be traced again to be rebuilt
-            if other is not path and other.graph is not None and other.stale:
-                self.builds.build(site, other, it.number)
-        if path.graph is not None:
-            site.last_path = path
-        site.note_path(path)
-        if why is not None and path.count >= 2 and site.eager_reason is None and \
-                self._predict(site) is None:
-            self._go_eager(site, it.number, f"a repeating path cannot be compiled: {why}")
-        if site.eager_reason is None and self._predict(site) is None and \
-                site.traces >= CONFIG.max_traces and \
-                id(site) not in self.builds.builder.sites_building():
-            self._go_eager(site, it.number, f"{site.traces} traces without a compilable repeat"
-                           + (f" (last: {why})" if why else ""))
-        verdict = policy.give_up(policy.Tally.of(site, CONFIG.max_traces, CONFIG.max_fallbacks))
-        if verdict is not None and site.eager_reason is None:
-            self._go_eager(site, it.number, verdict[1])
-
     def _go_eager(self, site, number, reason):
         site.eager_reason = reason
-        self._event("eager", site, number, f"site stays eager: {reason}")
+        self.event("eager", site, number, f"site stays eager: {reason}")
         if site.key not in self._warned:
             self._warned.add(site.key)
             warnings.warn(f"terra: {site.label} runs eagerly from now on: {reason} "
@@ -467,10 +272,10 @@ class Session:
         it = self.iteration
         try:
             with held_interrupts():
-                if it is not None and it.mode != "done":
+                if it is not None and it.mode != Mode.DONE:
                     with self.internal():
                         it.finish()
-                self.collect_pending()
+                self.inflight.collect()
         finally:
             self.iteration = None
             self.owner = None
@@ -480,8 +285,8 @@ class Session:
         it = self.iteration
         phase = "idle"
         if it is not None:
-            phase = {"skip": "coexecution", "tracing": "tracing", "eager": "eager",
-                     "done": it.site.phase}[it.mode]
+            phase = {Mode.SKIP: "coexecution", Mode.TRACING: "tracing", Mode.EAGER: "eager",
+                     Mode.DONE: it.site.phase}[it.mode]
         with self.internal():
             stall = sum(g.stall_seconds for g in self._graphs)
         return {**self.counters.as_dict(), "phase": phase,

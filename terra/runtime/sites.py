@@ -281,6 +281,26 @@ class Site:
             return []
         nxt = self.successors.get(self.prev_path.id, {})
         return sorted(nxt, key=lambda i: -nxt[i])
+
+    def predict(self) -> Path | None:
+        """The compiled path the next iteration most likely takes: the previous path's most
+        frequent compiled successor (a read every tenth step, an epoch's end, a rare branch are
+        followed by the common path again), else the last compiled path run, else the newest
+        compiled path; None while no path is compiled."""
+        by_id = None
+        for i in self.likely_next():
+            if by_id is None:
+                by_id = {q.id: q for q in self.paths.values()}
+            q = by_id.get(i)
+            if q is not None and q.graph is not None and not q.stale:
+                return q
+        p = self.last_path
+        if p is not None and p.graph is not None and not p.stale:
+            return p
+        for p in reversed(list(self.paths.values())):
+            if p.graph is not None and not p.stale:
+                return p
+        return None
     phase: str = "tracing"
     seen_objects: dict = field(default_factory=dict)
     site_graph: SiteGraph | None = None   # one graph for all compiled paths (>= 2 of them)

@@ -54,12 +54,12 @@ class UnitSkipping:
             mark = len(self.fed_order)
             for slot in unit.feeds:
                 obj = self.view.trace.feed_values[slot]
-                self._feed(slot, obj, obj)
+                self.feed(slot, obj, obj)
             changed = self._changed_shape(unit) or self._changed_read(unit)  # (after the
             # unit's feeds: a read may need them)
             if changed is None:
                 break
-            self._rollback(mark)
+            self.rollback(mark)
             while True:  # another compiled path, traced with the values read now?
                 if not self.iteration.switch(changed, tried=tried):
                     raise Diverged(changed)
@@ -77,7 +77,7 @@ class UnitSkipping:
             if r is None:
                 out.append(None)
             else:
-                out.append(self._placeholder(self.view.records[r.record], r.index))
+                out.append(self.placeholder(self.view.records[r.record], r.index))
         if self.pos == self.view.n and self.view.end_sync:
             self.iteration.wait_run()
         return out

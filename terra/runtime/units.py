@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from terra import _tf_private as tfp
 from terra.config import CONFIG
+from terra.runtime.mode import Mode, ON_PATH
 from terra.ir.op_kinds import UNSEEDED_RANDOM_OPS
 from terra.ir.records import FeedRef, VariableRef
 from terra.runtime.placeholders import Placeholder
@@ -22,7 +23,7 @@ from terra.tracing import hook
 def guard_ref(session, it, x):
     if x is None:
         return None
-    if it.mode == "skip":
+    if it.mode == Mode.SKIP:
         r = placeholder_ref(x, it.runner)
         if r is not None:
             return r
@@ -50,13 +51,13 @@ def guard_ref(session, it, x):
 def gradient(session, tape, target, sources, output_gradients, unconnected_gradients):
     base = tfp.PlainGradientTape.gradient
     it = session.iteration
-    if it is None or it.mode not in ("skip", "tracing") or tape not in it.tapes or \
+    if it is None or it.mode not in ON_PATH or tape not in it.tapes or \
             session.foreign():
         return base(tape, real_values(target), real_values(sources), real_values(output_gradients),
                     unconnected_gradients)
     flat_args = (tf.nest.flatten(target) + ["|"] + tf.nest.flatten(sources) + ["|"] +
                  tf.nest.flatten(output_gradients) + ["|"] + list(tape._terra_watched))
-    if it.mode == "skip":
+    if it.mode == Mode.SKIP:
         guard = tuple(a if isinstance(a, str) else guard_ref(session, it, a) for a in flat_args) + \
             (str(unconnected_gradients), tape._watch_accessed_variables)
         try:
@@ -104,14 +105,14 @@ def apply_gradients(session, opt, original, grads_and_vars):
     variables)."""
     it = session.iteration
     pairs = list(grads_and_vars)
-    if it is None or it.mode not in ("skip", "tracing") or not getattr(opt, "built", False):
+    if it is None or it.mode not in ON_PATH or not getattr(opt, "built", False):
         return original(opt, pairs)
     settings = (tfp.tapes_recording(),) + tuple(
         (k, v) for k, v in vars(opt).items() if isinstance(v, (bool, int, float, str, type(None))))
     with _terra_reads(it):
         flat = tf.nest.flatten([g for g, _ in pairs], expand_composites=True) + \
             ["|"] + [v for _, v in pairs]
-    if it.mode == "skip":
+    if it.mode == Mode.SKIP:
         guard = (id(opt), settings) + tuple(
             x if isinstance(x, str) else guard_ref(session, it, x) for x in flat)
         try:
@@ -172,9 +173,9 @@ def _feed_data_inputs(runner, want, guard, flat) -> tuple:
                 # dtype (a Keras loss converts integer labels to its float dtype): convert it so
                 value = tf.convert_to_tensor(x, spec.dtype)
             try:
-                runner._feed(w.slot, x, value)
+                runner.feed(w.slot, x, value)
             except Diverged:
-                runner._rollback(mark)
+                runner.rollback(mark)
                 return None
             out[i + 2] = w
     return tuple(out)
@@ -189,7 +190,7 @@ def layer_call(session, layer, original, args, kwargs, loss=False):
     unit is skipped). User-defined layers and models run op by op: their Python may do
     anything."""
     it = session.iteration
-    if it is None or it.mode not in ("skip", "tracing") or session._layer_depth or \
+    if it is None or it.mode not in ON_PATH or session.layer_depth or \
             not (loss or getattr(layer, "built", False)):
         return original(layer, *args, **kwargs)
     model = not loss and not type(layer).__module__.startswith(tfp.KERAS_BUILTIN_LAYER_MODULES)
@@ -217,7 +218,7 @@ def layer_call(session, layer, original, args, kwargs, loss=False):
             return ("value", x)
         return guard_ref(session, it, x)
 
-    if it.mode == "skip":
+    if it.mode == Mode.SKIP:
         unit = it.runner.view.units.get(it.runner.pos)
         guard = (id(layer), settings) + tuple(guard_of(x) for x in flat)
         if data and unit is not None and len(unit.guard) == len(guard) and \
@@ -235,21 +236,21 @@ def layer_call(session, layer, original, args, kwargs, loss=False):
                 pass
         if model:  # its layers may be units of their own
             return original(layer, *args, **kwargs)
-        session._layer_depth += 1  # no unit here: match the layer's ops one by one
+        session.layer_depth += 1  # no unit here: match the layer's ops one by one
         try:
             return original(layer, *args, **kwargs)
         finally:
-            session._layer_depth -= 1
+            session.layer_depth -= 1
     rec = it.recorder
     flat = [x._terra_materialize() if isinstance(x, Placeholder) else x for x in flat]
     guard = (id(layer), settings) + tuple(guard_of(x) for x in flat)
     start = len(rec.trace.records)
-    session._layer_depth += 1
+    session.layer_depth += 1
     try:
         with _unit_python(rec) as reads:
             result = original(layer, *args, **kwargs)
     finally:
-        session._layer_depth -= 1
+        session.layer_depth -= 1
     if data:  # after the call: data passed straight to it is a feed now
         guard = (id(layer), settings) + tuple(_data_feed(rec, x) or guard_of(x) for x in flat)
     with _terra_reads(it):
@@ -272,11 +273,11 @@ def function_call(session, fn, original, args, kwargs):
     TF (which would materialize placeholder arguments, and under a tape call `__forward_f`
     where the path may say otherwise); another guard diverges cleanly before the call."""
     it = session.iteration
-    if it is None or session._depth or hook.active() is None or not tf.executing_eagerly() \
+    if it is None or session.internal_depth or hook.active() is None or not tf.executing_eagerly() \
             or tfp.function_runs_eagerly(fn):  # Terra's own calls, graphs, eager debugging
         return original(fn, *args, **kwargs)
     flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True)
-    if it.mode == "skip" and it.runner.skipping:
+    if it.mode == Mode.SKIP and it.runner.skipping:
         runner = it.runner
         mark = len(runner.fed_order)
         try:
@@ -287,13 +288,13 @@ def function_call(session, fn, original, args, kwargs):
                 unit = runner.last_unit
             return tf.nest.pack_sequence_as(unit.structure, out, expand_composites=True)
         except Diverged as d:
-            runner._rollback(mark)
+            runner.rollback(mark)
             if runner.pos >= runner.view.n and not it.extended_elsewhere():  # the loop is over
                 with session.internal():
                     it.finish_past_end(_past_end(d.divergence))
                 return original(fn, *real_values(args), **real_values(kwargs))
             it.fallback(d.divergence)
-    if it.mode != "tracing" or it.recorder is None or not it.recorder.recording or \
+    if it.mode != Mode.TRACING or it.recorder is None or not it.recorder.recording or \
             it.recorder.in_unit:
         return original(fn, *args, **kwargs)
     rec = it.recorder
@@ -315,13 +316,13 @@ def function_call(session, fn, original, args, kwargs):
         if r.route == "function":
             _check_function_body(session, rec.trace, r)
         if r.route == "function" and r.function.startswith("__forward_"):
-            wrapped = session._tape_functions.get(r.function)
+            wrapped = session.tape_functions.get(r.function)
             if wrapped is None:
                 functions = tfp.tape_functions_of(fn, r.function)
                 if functions is None:
                     usable = False  # a fallback's replay could not record its gradient
                     continue
-                wrapped = session._tape_functions[r.function] = tfp.TapeRecordedFunction(
+                wrapped = session.tape_functions[r.function] = tfp.TapeRecordedFunction(
                     rec.trace.functions[r.function], functions)
             for ref in r.inputs:
                 var = rec.trace.variables.get(ref.key) if isinstance(ref, VariableRef) \
@@ -341,9 +342,9 @@ def _check_function_body(session, trace, r) -> None:
     atomic = getattr(atomic, "atomic", atomic)
     if atomic is None:
         return
-    types = session._function_ops.get(r.function)
+    types = session.function_ops.get(r.function)
     if types is None:
-        types = session._function_ops[r.function] = tfp.function_op_types(atomic)
+        types = session.function_ops[r.function] = tfp.function_op_types(atomic)
     if types & UNSEEDED_RANDOM_OPS:
         trace.unseeded_random.append(r.index)
 
@@ -351,7 +352,7 @@ def _function_guard(session, it, fn, flat) -> tuple:
     """(fn, tape may record, one entry per flat argument). In skip mode a tensor argument
     that the unit at the runner's position first feeds is fed here (data passed straight to
     the function)."""
-    unit = it.runner.view.units.get(it.runner.pos) if it.mode == "skip" else None
+    unit = it.runner.view.units.get(it.runner.pos) if it.mode == Mode.SKIP else None
     want = unit.guard if unit is not None and len(unit.guard) == len(flat) + 2 and \
         unit.guard[0] is fn else None
     out = [fn, tfp.could_possibly_record()]
@@ -370,7 +371,7 @@ def _function_guard(session, it, fn, flat) -> tuple:
         if isinstance(g, tuple) and want is not None and isinstance(want[i + 2], FeedRef) \
                 and isinstance(x, tfp.EagerTensorBase) and want[i + 2].slot not in \
                 it.runner.fed:
-            it.runner._feed(want[i + 2].slot, x, x)
+            it.runner.feed(want[i + 2].slot, x, x)
             g = want[i + 2]
         out.append(g)
     return tuple(out)
@@ -380,10 +381,10 @@ def force_eager(session, what: str) -> None:
     it = session.iteration
     if it is None or session.foreign():
         return
-    if it.mode == "skip":
+    if it.mode == Mode.SKIP:
         it.fallback(Divergence(user_line(), "a compiled op", what, it.runner.pos,
                                f"{what} runs eagerly"))
-    if it.mode == "tracing":
+    if it.mode == Mode.TRACING:
         it.recorder.trace.unsupported.append(f"{what} is not compiled")
 
 
@@ -455,7 +456,7 @@ def _unit_python(rec, tf_constants=False):
 def _terra_reads(it):
     """Values Terra reads while tracing are not the program's fetches (a composite's type spec,
     for one, reads its dense shape)."""
-    rec = it.recorder if it.mode == "tracing" else None
+    rec = it.recorder if it.mode == Mode.TRACING else None
     if rec is None:
         yield
         return

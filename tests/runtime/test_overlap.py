@@ -246,6 +246,7 @@ def test_cycling_shapes_with_inputs_sliced_before_the_tape():
 def test_no_graph_run_is_in_flight_when_a_fallback_replays_eagerly(monkeypatch):
     """A fallback at the first feed of iteration i+1 (a batch of a new shape: the run of i+1 has
     not started) must still wait for run i: the eager replay and tracing read the variables."""
+    from terra.runtime import inflight as inflight_mod
     from terra.runtime import iteration as iteration_mod
     from terra.runtime import session as session_mod
     seen = []
@@ -253,12 +254,12 @@ def test_no_graph_run_is_in_flight_when_a_fallback_replays_eagerly(monkeypatch):
     class Checked(iteration_mod.EagerReplay):
         def run(self, upto):
             s = session_mod.SESSION
-            seen.append((s.runner.done, len(s.pending)))
+            seen.append((s.runner.done, len(s.inflight.pending)))
             return super().run(upto)
 
-    # the fallback's replay (Iteration.fallback) and a late failure's (Session._collect)
+    # the fallback's replay (Iteration.fallback) and a late failure's (InFlight.collect)
     monkeypatch.setattr(iteration_mod, "EagerReplay", Checked)
-    monkeypatch.setattr(session_mod, "EagerReplay", Checked)
+    monkeypatch.setattr(inflight_mod, "EagerReplay", Checked)
 
     def program(Tape, steps=14):
         model, opt = _model(7), keras.optimizers.Adam(0.01)
@@ -291,13 +292,14 @@ def test_unread_fetches_and_finished_iterations_do_not_pile_up():
 
     eager = _train(tf.GradientTape, steps=16, keep=True)
     iterations = []
-    real = SESSION.collect_pending
+    inflight = SESSION.inflight
+    real = inflight.collect
 
     def spy(*a, **k):
-        iterations.extend(SESSION.pending)
+        iterations.extend(inflight.pending)
         return real(*a, **k)
 
-    SESSION.collect_pending = spy
+    inflight.collect = spy
     try:
         model, opt = _model(), keras.optimizers.Adam(0.01)
         X, Y = _data(16)
@@ -312,7 +314,7 @@ def test_unread_fetches_and_finished_iterations_do_not_pile_up():
                               for ch in g.fetch_channels.values()))
         terra.end_iteration()
     finally:
-        SESSION.collect_pending = real
+        inflight.collect = real
     np.testing.assert_allclose([float(x) for x in kept], eager[0], rtol=1e-5, atol=1e-7)
     (graph,) = SESSION._graphs
     assert len(graph.fetch_channels) >= 1
