@@ -28,6 +28,32 @@ __all__ = ["Placeholder", "ConstantResolver", "is_placeholder"]
 
 _ids = itertools.count()
 
+# static shapes and dtypes by their recorded form: a skip-mode step makes placeholders of the
+# same few shapes every iteration, and building a TensorShape costs more than the rest of
+# `create` (TensorShape and DType are immutable, so one object serves every placeholder)
+_SHAPES: dict = {}
+_DTYPES: dict = {}
+
+
+def _static_shape(shape):
+    key = tuple(shape) if isinstance(shape, list) else shape
+    try:
+        s = _SHAPES.get(key)
+    except TypeError:  # an unhashable form: build it
+        return tf.TensorShape(shape)
+    if s is None:
+        if len(_SHAPES) > 4096:
+            _SHAPES.clear()
+        s = _SHAPES[key] = tf.TensorShape(shape)
+    return s
+
+
+def _dtype(dtype):
+    d = _DTYPES.get(dtype)
+    if d is None:
+        d = _DTYPES[dtype] = tf.dtypes.as_dtype(dtype)
+    return d
+
 
 class _DummyOp:
     """Stand-in for `Tensor.op`; its `type` matches no real op (Keras reads `output.op.type`)."""
@@ -85,8 +111,8 @@ class Placeholder(tfp.Tensor):
         tfp.install_tensor_array_index_guard(Placeholder)
         self = object.__new__(cls)
         d = self.__dict__
-        d["_dtype"] = tf.dtypes.as_dtype(dtype)
-        d["_shape_val"] = tf.TensorShape(shape)
+        d["_dtype"] = _dtype(dtype)
+        d["_shape_val"] = _static_shape(shape)
         d["_id"] = tfp.new_tensor_uid()
         d["_terra_id"] = next(_ids) if terra_id is None else terra_id
         d["_name"] = f"terra_placeholder_{d['_terra_id']}"

@@ -139,9 +139,12 @@ def apply_gradients(session, opt, original, grads_and_vars):
 def _settings(layer) -> tuple:
     """The plain Python settings of a layer, model or loss (what a unit's guard checks), less
     the state Keras' own training loops keep on a model."""
-    return tuple((k, v) for k, v in vars(layer).items()
-                 if isinstance(v, (bool, int, float, str, type(None))) and
-                 k not in tfp.KERAS_LOOP_STATE)
+    skip = tfp.KERAS_LOOP_STATE
+    return tuple([(k, v) for k, v in vars(layer).items()
+                  if isinstance(v, _PLAIN) and k not in skip])
+
+
+_PLAIN = (bool, int, float, str, type(None))
 
 
 def _data_feed(rec, x):
