@@ -34,7 +34,7 @@ bench-quick: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-.PHONY: bench-coexec bench-pipeline bench-ada-grouper bench-real bench-fit bench-soak bench-breakdown results
+.PHONY: bench-coexec bench-pipeline bench-ada-grouper bench-real bench-fit bench-soak bench-breakdown bench-limits results
 bench-coexec: $(STAMP)
 	$(PY) -m benchmarks.coexec
 
@@ -49,6 +49,9 @@ bench-soak: $(STAMP)
 
 bench-breakdown: $(STAMP)
 	$(PY) -m benchmarks.breakdown
+
+bench-limits: $(STAMP)
+	$(PY) -m benchmarks.limits
 
 bench-pipeline: $(STAMP)
 	$(PY) benchmarks/pipeline.py

@@ -20,6 +20,7 @@ SECTIONS = (
      "--modes eager,function,terra --steps 100 --out benchmarks/results/dynamic"),
     ("coexec.md", "python -m benchmarks.coexec"),
     ("breakdown.md", "make bench-breakdown (python -m benchmarks.breakdown)"),
+    ("limits.md", "make bench-limits (python -m benchmarks.limits)"),
     ("hook_overhead.md", "python -m benchmarks.hook_overhead"),
     ("pipeline.md", "python benchmarks/pipeline.py"),
     ("ada_grouper.md", "make bench-ada-grouper (python benchmarks/ada_grouper.py)"),

@@ -86,7 +86,7 @@ class FasterRCNNLike(Program):
         return sum((m.trainable_variables for m in self.models()), [])
 
     def train_step(self, images, gt_boxes, gt_classes):
-        c, b = self.c, self.c["batch"]
+        b = self.c["batch"]
         with self.tape_cls() as tape:
             feat = self.backbone(images, training=True)
             obj, deltas = self.rpn(feat, training=True)
@@ -94,31 +94,41 @@ class FasterRCNNLike(Program):
             deltas = tf.reshape(deltas, (b, -1, 4))
             proposals = tf.clip_by_value(self.anchors[None] + 0.1 * deltas, 0.0, 1.0)
             # materialize and post-process with numpy, as the reference implementations do
-            props_np, obj_np, gt_np, cls_np = proposals.numpy(), obj.numpy(), gt_boxes.numpy(), gt_classes.numpy()
-            rpn_labels, box_targets, roi_boxes, roi_labels, box_idx = [], [], [], [], []
-            for k in range(b):
-                overlaps = iou(self.anchors, gt_np[k])
-                rpn_labels.append((overlaps.max(1) >= 0.4).astype(np.float32))
-                box_targets.append((gt_np[k][overlaps.argmax(1)] - self.anchors) / 0.1)
-                keep = nms(props_np[k], obj_np[k], c["rois"])
-                roi = props_np[k][keep]
-                roi_iou = iou(roi, gt_np[k])
-                roi_labels.append(np.where(roi_iou.max(1) >= 0.3, cls_np[k][roi_iou.argmax(1)], 0))
-                roi_boxes.append(roi)
-                box_idx.append(np.full(len(keep), k, np.int32))
-            pos = tf.constant(np.stack(rpn_labels))
-            rpn_loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(pos, obj))
-            box_err = tf.reduce_sum(tf.abs(deltas - tf.constant(np.stack(box_targets))), -1)
-            rpn_loss += tf.reduce_sum(pos * box_err) / tf.maximum(tf.reduce_sum(pos), 1.0)
-            crops = tf.image.crop_and_resize(feat, tf.constant(np.concatenate(roi_boxes)),
-                                             tf.constant(np.concatenate(box_idx)), (c["pool"], c["pool"]))
-            roi_logits = self.roi_head(crops, training=True)
-            roi_loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-                tf.constant(np.concatenate(roi_labels)), roi_logits))
-            loss = rpn_loss + roi_loss
+            targets = self.post_process(proposals.numpy(), obj.numpy(), gt_boxes.numpy(),
+                                        gt_classes.numpy())
+            loss = self.loss(feat, obj, deltas, *(tf.constant(t) for t in targets))
         params = self.params()
         self.optimizer.apply_gradients(zip(tape.gradient(loss, params), params))
         return loss
+
+    def post_process(self, props_np, obj_np, gt_np, cls_np):
+        """The numpy part of the step: RPN labels and box targets by IoU matching, RoIs by NMS
+        and their labels; (rpn labels, box targets, RoI boxes, RoI batch indices, RoI labels)."""
+        rpn_labels, box_targets, roi_boxes, roi_labels, box_idx = [], [], [], [], []
+        for k in range(self.c["batch"]):
+            overlaps = iou(self.anchors, gt_np[k])
+            rpn_labels.append((overlaps.max(1) >= 0.4).astype(np.float32))
+            box_targets.append((gt_np[k][overlaps.argmax(1)] - self.anchors) / 0.1)
+            keep = nms(props_np[k], obj_np[k], self.c["rois"])
+            roi = props_np[k][keep]
+            roi_iou = iou(roi, gt_np[k])
+            roi_labels.append(np.where(roi_iou.max(1) >= 0.3, cls_np[k][roi_iou.argmax(1)], 0))
+            roi_boxes.append(roi)
+            box_idx.append(np.full(len(keep), k, np.int32))
+        return (np.stack(rpn_labels), np.stack(box_targets), np.concatenate(roi_boxes),
+                np.concatenate(box_idx), np.concatenate(roi_labels))
+
+    def loss(self, feat, obj, deltas, pos, box_targets, roi_boxes, box_idx, roi_labels):
+        """The losses on the post-processed targets (tensors)."""
+        pool = self.c["pool"]
+        rpn_loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(pos, obj))
+        box_err = tf.reduce_sum(tf.abs(deltas - box_targets), -1)
+        rpn_loss += tf.reduce_sum(pos * box_err) / tf.maximum(tf.reduce_sum(pos), 1.0)
+        crops = tf.image.crop_and_resize(feat, roi_boxes, box_idx, (pool, pool))
+        roi_logits = self.roi_head(crops, training=True)
+        roi_loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            roi_labels, roi_logits))
+        return rpn_loss + roi_loss
 
 
 def build(tape_cls, seed=0, size="bench"):
