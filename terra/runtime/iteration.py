@@ -301,7 +301,7 @@ class Iteration(IterationEnd):
         ph = runner.placeholders.get((ref.record, ref.index))
         if ph is not None and ph.is_materialized:
             return ph.numpy()
-        v = self.path.static.get(ref) if runner.shape_from is None or \
+        v = self.path.static.get(ref, runner.shapes_checked) if runner.shape_from is None or \
             ref.record < runner.shape_from else None
         if v is not None:
             return np.asarray(v)

@@ -30,8 +30,11 @@ def skip_fetch_points(path) -> dict:
     as such and brings the value in with the next build."""
     units = (path.view.units if path.view is not None else path.usable_units()).values()
     spans = [(u.start, u.end) for u in units]
-    checked = {r for u in units for r, _ in u.reads  # values skip mode checks before a unit
-               if isinstance(r, OutputRef) and path.static.get(r) is None}
+    view = path.view
+    # values skip mode checks before a unit, once it has checked the shapes the unit read
+    checked = {r for u in units for r, _ in u.reads if isinstance(r, OutputRef) and
+               path.static.get(r, frozenset(view.shapes_read_by(u)) if view is not None
+                               else frozenset()) is None}
     return {ref: after for ref, after in path.fetch_points.items()
             if ref in path.outside_reads or ref in checked or
             not any(a <= after <= b for a, b in spans)}

@@ -98,6 +98,7 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
         self.shape_from: Optional[int] = None
         self.new_feed = None    # (slot, dtype, shape) of a feed that diverged on its signature
         self.new_shapes: dict = {}     # feed slot -> shape, record index -> output shapes
+        self.shapes_checked: set = set()  # data-dependent shapes checked equal to the traced
 
     # ------------------------------------------------------------------ hook callbacks
     def variable_handle(self, variable, handle) -> None:

@@ -7,6 +7,14 @@ constants (the `n = tf.shape(x)[1]; pos[:n]` of a model that reads its sequence 
 same value in every iteration that takes the path. `StaticValues.get(ref)` computes that value
 once (eagerly, on the recorded constants) and caches it; the PythonRunner then answers the read
 at once instead of making it a sync point that waits for the graph. Anything else returns None.
+
+Not so the shape of a value whose shape depends on data (a `tf.where`'s length, and what is
+computed from it): the path's record holds the length of the traced iteration only, and another
+iteration on the same path may keep another count. Those are the outputs TF's inference cannot
+fix with every feed of its recorded shape (`compiler.shapes.unknown_shapes`), found once per
+path, on the first shape read of a produced value. Their shapes count as known only where the
+caller has checked them this iteration (`get(ref, checked)`: a coarse unit whose guard compared
+them with the traced ones before its own shape reads are answered).
 """
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
+from terra.compiler.shapes import unknown_shapes
 from terra.ir.records import ConstRef, FeedRef, OutputRef, Trace
 from terra.runtime.fallback import EagerReplay
 
@@ -43,18 +52,28 @@ class StaticValues:
         self.trace = trace
         self._replay = EagerReplay(trace, {})
         self._known: dict = {}
+        self._unknown = None   # outputs whose shape depends on data (`unknown_shapes`)
 
-    def get(self, ref: OutputRef):
+    def get(self, ref: OutputRef, checked=frozenset()):
+        """The value of `ref` in every iteration on the path whose data-dependent shapes in
+        `checked` are the traced ones; None if it is not static."""
+        value, needs = self._get(ref)
+        return value if needs <= checked else None
+
+    def _get(self, ref: OutputRef):
+        """(value or None, the data-dependent shapes it assumed to be the traced ones)."""
         key = (ref.record, ref.index)
         if key in self._known:
             return self._known[key]
-        self._known[key] = None  # (a cycle cannot happen in a trace; this also caches misses)
+        self._known[key] = (None, frozenset())  # (a trace has no cycle; this caches misses too)
+        self._needs = set()
         try:
             value = self._compute(ref)
         except (tf.errors.OpError, ValueError, TypeError, KeyError):
             value = None
-        self._known[key] = value
-        return value
+        out = self._known[key] = (value, frozenset(self._needs) if value is not None
+                                  else frozenset())
+        return out
 
     def _spec_shape(self, ref):
         if isinstance(ref, OutputRef):
@@ -76,11 +95,18 @@ class StaticValues:
             shape = self._spec_shape(rec.inputs[0])
             if shape is None or None in shape:
                 return None
+            if isinstance(rec.inputs[0], OutputRef):
+                if self._unknown is None:
+                    self._unknown = unknown_shapes(self.trace)
+                if rec.inputs[0] in self._unknown:
+                    self._needs.add(rec.inputs[0])
             value = tf.constant(SHAPE_OPS[rec.op_type](shape), dtype=want.dtype)
         elif rec.op_type in STATIC_OPS:
             for r in rec.input_refs():
                 if isinstance(r, OutputRef):
-                    v = self.get(r)
+                    needs = self._needs
+                    v, more = self._get(r)
+                    self._needs = needs | more
                     if v is None:
                         return None
                     self._replay.env[(r.record, r.index)] = v

@@ -11,7 +11,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import numpy as np
+import tensorflow as tf
 
+from terra.ir.records import ConstRef
 from terra.runtime.divergence import Diverged, Divergence, user_line
 
 __all__ = ["UnitSkipping", "UNSET"]
@@ -76,6 +78,11 @@ class UnitSkipping:
         for r in unit.result:
             if r is None:
                 out.append(None)
+            elif isinstance(r, ConstRef):  # a shape TF's gradient code made (units._shape_constant)
+                value = np.asarray(r.value, dtype=r.dtype)
+                t = tf.constant(value)
+                self.born[id(t)] = (t, value)  # a constant where an op takes it, as traced
+                out.append(t)
             else:
                 out.append(self.placeholder(self.view.records[r.record], r.index))
         if self.pos == self.view.n and self.view.end_sync:
@@ -101,7 +108,9 @@ class UnitSkipping:
                 missing.append(ref)
                 continue
             traced = tuple(self.view.records[ref.record].outputs[ref.index].shape)
-            if changed is None and np.shape(value) != traced:
+            if np.shape(value) == traced:
+                self.shapes_checked.add(ref)  # (static values may take its traced shape now)
+            elif changed is None:
                 changed = Divergence(user_line(), f"{ref!r} of shape {list(traced)}",
                                      f"shape {list(np.shape(value))}", self.pos,
                                      "a unit's input has another shape than when it was traced")
@@ -110,6 +119,10 @@ class UnitSkipping:
                 self.log_fetch(ref)
             return Divergence(user_line(), f"fetch of {missing[0]!r}", "no fetch", self.pos,
                               "shape read by a unit that the graph does not fetch")
+        if changed is None:
+            # its inputs have the traced shapes, so its own ops have theirs: the shape reads of
+            # its Python are answered as traced, not fetched (its ops wait for this check)
+            self.shapes_checked.update(r for r in unknown if unit.start <= r.record < unit.end)
         return changed
 
     def _changed_read(self, unit) -> Optional[Divergence]:

@@ -12,7 +12,7 @@ from terra import _tf_private as tfp
 from terra.config import CONFIG
 from terra.runtime.mode import Mode, ON_PATH
 from terra.ir.op_kinds import UNSEEDED_RANDOM_OPS
-from terra.ir.records import FeedRef, VariableRef
+from terra.ir.records import ConstRef, FeedRef, VariableRef
 from terra.runtime.placeholders import Placeholder
 from terra.runtime.divergence import PAST_END, Diverged, Divergence, DivergenceKind, user_line
 from terra.runtime.path_view import GradUnit
@@ -77,6 +77,7 @@ def gradient(session, tape, target, sources, output_gradients, unconnected_gradi
     guard = tuple(a if isinstance(a, str) else guard_ref(session, it, a) for a in flat_args) + \
         (str(unconnected_gradients), tape._watch_accessed_variables)
     start = len(rec.trace.records)
+    born = rec.born_ids()
     with _unit_python(rec, tf_constants=True) as reads:
         result = base(tape, target, sources, output_gradients, unconnected_gradients)
     end = len(rec.trace.records)
@@ -90,7 +91,11 @@ def gradient(session, tape, target, sources, output_gradients, unconnected_gradi
         if g is None:
             refs.append(None)
             continue
-        r = rec.ref_of(g) if isinstance(g, tfp.EagerTensorBase) else None
+        r = None
+        if isinstance(g, tfp.EagerTensorBase):
+            r = rec.ref_of(g)
+            if r is None and id(g) not in born:
+                r = _shape_constant(g, rec.born_value(g))
         if r is None:
             usable = False
         refs.append(r)
@@ -98,6 +103,18 @@ def gradient(session, tape, target, sources, output_gradients, unconnected_gradi
         rec.units[start] = GradUnit(start, end, guard, tuple(refs),
                                     structure=structure, reads=tuple(reads))
     return result
+
+def _shape_constant(tensor, value):
+    """A gradient's result that TF's gradient code made from a Python value (an
+    `IndexedSlices`' dense shape: the variable's static shape) as a ConstRef; None for any
+    other tensor. Skip mode returns that constant: the unit's guard fixes the sources, whose
+    static shapes it was made from."""
+    if value is None or tensor.dtype not in (tf.int32, tf.int64) or tensor.shape.rank > 1 or \
+            tensor.shape.num_elements() > 8:
+        return None
+    return ConstRef(tuple(int(x) for x in np.asarray(tensor).reshape(-1)) if tensor.shape.rank
+                    else int(tensor), tensor.dtype.name)
+
 
 def apply_gradients(session, opt, original, grads_and_vars):
     """`optimizer.apply_gradients` as one coarse unit (guarded on the optimizer object, its

@@ -296,6 +296,15 @@ class Recorder(hook.Interceptor):
         entry = self._produced.get(id(tensor))
         return entry[1] if entry is not None and entry[0] is tensor else None
 
+    def born_ids(self) -> frozenset:
+        """Ids of the tensors converted from Python values so far this iteration."""
+        return frozenset(self._born)
+
+    def born_value(self, tensor):
+        """The Python value `tensor` was converted from this iteration, or None."""
+        entry = self._born.get(id(tensor))
+        return entry[1] if entry is not None and entry[0] is tensor else None
+
     def produced(self):
         """`(tensor, OutputRef)` of every op output recorded so far."""
         return self._produced.values()

@@ -138,3 +138,33 @@ def test_mask_size_set_by_the_data_alternates_between_two_traced_paths():
             out.append(float(loss))
         return out, v.numpy().tolist()
     _both(program).assert_counts(traces=4, graph_builds=3, fallbacks=2, path_switches=2)
+
+
+def test_a_python_read_of_a_data_dependent_length_is_this_iterations():
+    """`int(tf.shape(idx)[0])` of a `tf.where` whose count the data sets: the value is this
+    iteration's count, never the count of the iteration the path was traced with (a shape the
+    path's record fixes only where it does not depend on data). The gradient is an
+    `IndexedSlices` whose dense shape TF's gradient code makes from the variable's static shape:
+    the unit returns that constant, so `tape.gradient` is skipped whole."""
+    def program(Tape):
+        v = tf.Variable(tf.ones((6,)))
+        rng = np.random.default_rng(0)
+        data = [tf.constant(rng.normal(size=(6,)), tf.float32) for _ in range(3)]
+        out = []
+        for i in range(12):
+            y = data[i % 3]
+            with Tape() as tape:
+                idx = tf.where(y > 0.0)[:, 0]
+                n = int(tf.shape(idx)[0])
+                loss = tf.reduce_sum(tf.gather(v, idx) * tf.gather(y, idx))
+            grad = tape.gradient(loss, v)
+            v.assign_sub(0.1 * tf.convert_to_tensor(grad))
+            out.append((n, float(loss), type(grad).__name__))
+        return out, v.numpy().tolist()
+    c = _both(program)
+    if terra.config()["site_graph"]:  # (no shape groups: a path per count, gated units)
+        c.assert_counts(traces=6, graph_builds=4, fallbacks=2)
+    else:
+        # counts 4 and 3 form a shape group; count 0 joins it after the fallback that learns
+        # the fetch of the count; from then on every step runs the group's graph
+        c.assert_counts(traces=3, graph_builds=2, fallbacks=1)

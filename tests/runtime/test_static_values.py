@@ -51,3 +51,19 @@ def test_shapes_and_integer_arithmetic_are_static_data_is_not():
     # cached: the same tensor object on the second read
     ref = rec.ref_of(out["half"])
     assert sv.get(ref) is sv.get(ref)
+
+
+def test_the_shape_of_a_data_dependent_value_is_static_only_once_checked():
+    """A `tf.where`'s length is the traced iteration's only: its shape (and arithmetic on it)
+    is not static, unless the caller has checked that shape against the traced one."""
+    def program(y):
+        idx = tf.where(y > 0.0)[:, 0]
+        s = tf.shape(idx)
+        return {"idx": idx, "n": s[0] + 1, "y_len": tf.shape(y)[0]}
+    rec, out = _record(program, tf.constant([1.0, -1.0, 2.0]))
+    sv = StaticValues(rec.trace)
+    idx, n = rec.ref_of(out["idx"]), rec.ref_of(out["n"])
+    assert sv.get(n) is None
+    assert int(sv.get(n, frozenset({idx}))) == 3
+    assert sv.get(n) is None  # (the cache keeps what the value assumed)
+    assert int(sv.get(rec.ref_of(out["y_len"]))) == 3  # a shape no data sets
