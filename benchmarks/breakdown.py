@@ -123,7 +123,7 @@ def graph_alone(steps, mutate=None):
     fn = graph.function_for(path)
     for _ in range(steps + 1):
         for slot, ch in enumerate(graph.feed_channels):
-            if slot not in graph.bundled:
+            if slot not in graph.bundled and ch is not None:
                 ch.put(path.trace.feed_values[slot])
         if graph.bundled:
             graph.feed_channels[graph.bundled[0]].put(path.group_tensors)

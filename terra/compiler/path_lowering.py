@@ -16,6 +16,11 @@ length). Fetch channels take those shapes, not the recorded ones.
 that one channel for each of them, dequeued once at the first use of any): a shape group's
 constants, which the runtime puts all at once per run.
 
+`derived` (`{slot: rules}`) names feed slots the graph computes itself, from the shapes of
+values it holds (a shape group's constants that differ with a data-dependent length: the
+multiples a gradient tiles by, a mean's count): each rule is `("const", v)` or
+`("dims", ref, dims)`, the product of those dimensions of `ref`'s shape, an element each.
+
 `gates` (`{start: end}`) holds the record spans of coarse units that may run only once Python
 has checked them: their ops wait for a token on the span's gate channel (`gate_channels`),
 which Python puts when the unit's guard holds (a gradient whose ops were built from a shape the
@@ -28,7 +33,7 @@ import tensorflow as tf
 from terra.compiler import replay, xla
 from terra.compiler.channels import FeedChannel, FeedFetchOrder, FetchChannel
 from terra.compiler.names import op_node_name
-from terra.ir.records import OutputRef
+from terra.ir.records import FeedRef, OutputRef
 
 __all__ = ["LoweredPath"]
 
@@ -38,8 +43,9 @@ class LoweredPath:
     records after which Python reads it; `liveouts`: refs returned, in this order."""
 
     def __init__(self, trace, fetch_points: dict, liveouts, xla_scopes: bool = False,
-                 gates=None, bundled=()):
+                 gates=None, bundled=(), derived=None):
         self.trace = trace
+        self.derived = dict(derived or {})
         self.gates = dict(gates or {})
         self.gate_channels = {start: FeedChannel("bool", (), name=f"terra_gate{start}")
                               for start in self.gates}
@@ -47,7 +53,8 @@ class LoweredPath:
         bundle = FeedChannel([trace.feeds[s].spec.dtype for s in self.bundled],
                              [trace.feeds[s].spec.shape for s in self.bundled],
                              name="terra_feed_bundle") if self.bundled else None
-        self.feed_channels = [bundle if f.slot in self.bundled else
+        self.feed_channels = [bundle if f.slot in self.bundled else None if f.slot in
+                              self.derived else
                               FeedChannel(f.spec.dtype, f.spec.shape, name=f"terra_feed{f.slot}")
                               for f in trace.feeds]
         self.fetch_at: dict = {}
@@ -94,7 +101,7 @@ class _ChannelReplay(replay.GraphReplay):
 
     def __init__(self, trace, lowered, order, xla_scopes):
         self.spans = xla.Spans(xla_scopes)  # XLA scopes per compute span (no-ops without xla)
-        super().__init__(trace, _LazyFeeds(lowered, order, self.spans))
+        super().__init__(trace, _LazyFeeds(lowered, order, self.spans, self))
         self.lowered = lowered
         self.order = order
 
@@ -129,11 +136,14 @@ class _ChannelReplay(replay.GraphReplay):
 class _LazyFeeds:
     """`feeds[slot]` dequeues the slot's channel on first use (in trace order)."""
 
-    def __init__(self, lowered, order, spans):
+    def __init__(self, lowered, order, spans, replay):
         self.lowered, self.order, self.spans, self.values = lowered, order, spans, {}
+        self.replay = replay
 
     def __getitem__(self, slot):
         v = self.values.get(slot)
+        if v is None and slot in self.lowered.derived:
+            v = self.values[slot] = self._derive(slot)
         if v is None:
             with self.spans.channel():
                 v = self.order.feed(self.lowered.feed_channels[slot])
@@ -144,3 +154,18 @@ class _LazyFeeds:
             else:
                 self.values[slot] = v
         return v
+
+    def _derive(self, slot):
+        """Slot `slot`'s value computed in the graph by its rules (`LoweredPath.derived`)."""
+        spec = self.lowered.trace.feeds[slot].spec
+        elements = []
+        for rule in self.lowered.derived[slot]:
+            if rule[0] == "const":
+                elements.append(tf.constant(rule[1], tf.float64))
+                continue
+            _, ref, dims = rule
+            value = self[ref.slot] if isinstance(ref, FeedRef) else \
+                self.replay.env[(ref.record, ref.index)]
+            shape = tf.shape(value, out_type=tf.int64)
+            elements.append(tf.cast(tf.reduce_prod(tf.gather(shape, list(dims))), tf.float64))
+        return tf.cast(tf.reshape(tf.stack(elements), spec.shape), spec.dtype)

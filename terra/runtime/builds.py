@@ -19,7 +19,8 @@ from terra.runtime.builder import Builder
 from terra.runtime.fallback import Snapshot, written_variables
 from terra.runtime.path_graph import PathGraph, skip_fetch_points
 from terra.runtime.path_view import PathView
-from terra.runtime.shape_groups import Relaxed, ShapeGroup, member_values, relax
+from terra.runtime.shape_groups import (Relaxed, ShapeGroup, derive, member_values, relax,
+                                        rules_hold)
 from terra.runtime.site_graph import SiteGraph
 from terra.runtime.sites import (Path, reads_feed_values, renamed_path,
                                  variable_renaming)
@@ -121,7 +122,8 @@ class Builds:
             # (a unit the graph gates must be one the member skips whole: it opens the gate)
             covered = relaxed.trace.records == g.relaxed.trace.records and \
                 [f.spec for f in relaxed.trace.feeds] == [f.spec for f in g.relaxed.trace.feeds] \
-                and g.graph is not None and set(g.graph.gate_channels) <= set(path.usable_units())
+                and g.graph is not None and set(g.graph.gate_channels) <= set(path.usable_units()) \
+                and rules_hold(g.derived, relaxed, path.trace)
             if covered and g.graph is not None and not self._group_stale(g):
                 self._add_member(g, path, values)
                 t = time.perf_counter()
@@ -208,7 +210,10 @@ class Builds:
                         if all((o.get(s) or u).end == u.end and s in o for o in units[1:])}
             gp.view = PathView(gp.trace, gp.units, site.key, site.caller_step_try)
             gp.fetch_points, gp.outside_reads, gp.liveouts = fetch_points, set(fetch_points), liveouts
-            graph = PathGraph(gp, unknown=g.unknown, bundled=sorted(g.relaxed.const_sites))
+            # constants the graph computes from the shapes it holds are put by no member
+            g.derived = derive(g.relaxed, [m.trace for m in g.members])
+            graph = PathGraph(gp, unknown=g.unknown, derived=g.derived,
+                              bundled=sorted(set(g.relaxed.const_sites) - set(g.derived)))
             graph.path = gp
             g.graph = gp.graph = graph
             for m in g.members:

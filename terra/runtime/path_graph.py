@@ -66,20 +66,21 @@ class PathGraph:
 
     run_config = None  # each run keeps the configured ConfigProto (see SiteGraph.run_config)
 
-    def __init__(self, path: "Path", unknown=None, bundled=()):
+    def __init__(self, path: "Path", unknown=None, bundled=(), derived=None):
         """`unknown`: the outputs whose shapes the graph cannot know before it runs, where that
         is not what this graph's inference says (a shape group's relaxed trace, whose relaxed
         dimensions each member knows: shape_groups.py). `bundled`: feed slots put together,
-        as one element of one channel (a shape group's constants)."""
+        as one element of one channel (a shape group's constants); `derived`: feed slots the
+        graph computes from shapes (`LoweredPath.derived`)."""
         self.path = path
         lowered = LoweredPath(path.trace, skip_fetch_points(path), path.liveouts, CONFIG.xla,
-                              bundled=bundled)
+                              bundled=bundled, derived=derived)
         if unknown is None:
             unknown = frozenset(r for r, s in lowered.shapes.items() if not s.is_fully_defined())
         gates = _unit_shape_checks(path, unknown)
         if gates:
             lowered = LoweredPath(path.trace, skip_fetch_points(path), path.liveouts, CONFIG.xla,
-                                  gates, bundled)
+                                  gates, bundled, derived)
         self.gate_channels = lowered.gate_channels
         self.feed_channels = lowered.feed_channels
         self.bundled = lowered.bundled
@@ -122,7 +123,7 @@ class PathGraph:
         run of this graph is pending or running."""
         if fetched is None:
             for ch in (*dict.fromkeys(self.feed_channels), *self.gate_channels.values()):
-                if ch.size():
+                if ch is not None and ch.size():
                     ch.drain()
         for ref, ch in self.fetch_channels.items():
             if fetched is None or ref not in fetched:
@@ -145,7 +146,8 @@ class PathGraph:
 
     @property
     def stall_seconds(self) -> float:
-        return sum(ch.stall_seconds for ch in dict.fromkeys(self.feed_channels))
+        return sum(ch.stall_seconds for ch in dict.fromkeys(self.feed_channels)
+                   if ch is not None)
 
 
 def _no_arithmetic_rewrites(config) -> None:

@@ -99,6 +99,7 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
         self.new_feed = None    # (slot, dtype, shape) of a feed that diverged on its signature
         self.new_shapes: dict = {}     # feed slot -> shape, record index -> output shapes
         self.shapes_checked: set = set()  # data-dependent shapes checked equal to the traced
+        self.generic_units: set = set()   # starts of units skipped with other shapes than traced
 
     # ------------------------------------------------------------------ hook callbacks
     def variable_handle(self, variable, handle) -> None:

@@ -19,6 +19,8 @@ Everywhere else a member's recorded shape is the one every iteration on it sees.
 """
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +28,7 @@ import tensorflow as tf
 
 from terra.ir.records import ConstRef, Feed, FeedRef, OutputRef, TensorSpec, Trace, replace
 
-__all__ = ["ShapeGroup", "Relaxed", "relax", "member_values"]
+__all__ = ["ShapeGroup", "Relaxed", "derive", "relax", "member_values", "rules_hold"]
 
 SHAPE_CONSTANT = "shape-constant"   # Feed.source of a constant that differs between members
 
@@ -151,6 +153,7 @@ class ShapeGroup:
     unknown: frozenset
     members: list = field(default_factory=list)
     graph: object = None
+    derived: dict = field(default_factory=dict)  # slot -> rules: constants the graph computes
     claims: dict = field(default_factory=dict)   # id(member) -> {ref: its claimed shape}
 
     def dims(self) -> str:
@@ -159,10 +162,28 @@ class ShapeGroup:
         for f in self.relaxed.trace.feeds:
             if f.source != SHAPE_CONSTANT and f.spec.shape is not None and None in f.spec.shape:
                 out.append(f"feed{f.slot} {f.spec!r}")
-        consts = len(self.relaxed.const_sites)
+        consts = len(self.relaxed.const_sites) - len(self.derived)
         if consts:
             out.append(f"{consts} shape constants fed")
+        if self.derived:
+            out.append(f"{len(self.derived)} computed from shapes")
         return ", ".join(out)
+
+    def computes_constants_of(self, unit) -> bool:
+        """Whether the group's graph computes every shape constant of `unit`'s ops itself
+        (`derive`), so the unit may run with shapes no member was traced with."""
+        return all(slot in self.derived for slot, (r, _) in self.relaxed.const_sites.items()
+                   if unit.start <= r < unit.end)
+
+    def takes_shape(self, ref: OutputRef, traced, shape) -> bool:
+        """Whether value `ref`, traced with `traced`, may have `shape` on the group's graph: it
+        differs only in dimensions the members differ in (unknown in the relaxed trace), and
+        none of those is 0 or 1 (whose special cases, broadcasting and empty reductions, TF's
+        Python may build other ops for: they are traced as members of their own)."""
+        relaxed = self.relaxed.trace.records[ref.record].outputs[ref.index].shape
+        if relaxed is None or len(shape) != len(traced) or len(shape) != len(relaxed):
+            return False
+        return all(a == b or r is None and a >= 2 for a, b, r in zip(shape, traced, relaxed))
 
     def static_shape(self, member, ref: OutputRef):
         """The shape a member's placeholder claims: its recorded shape, or for an output whose
@@ -178,3 +199,81 @@ class ShapeGroup:
                 shape = tf.TensorShape(member.trace.records[ref.record].outputs[ref.index].shape)
             claims[1][ref] = shape
         return shape
+
+
+# ------------------------------------------------------------------------------------ derivation
+_DERIVABLE = frozenset({"int32", "int64", "float32", "float64"})
+
+
+def derive(relaxed: Relaxed, traces) -> dict:
+    """`{slot: rules}` for the shape constants of `relaxed` that the graph can compute from the
+    shapes of values it holds, as every member's trace in `traces` shows: element by element,
+    either the same number in every member (`("const", v)`) or, in every member, the product
+    of dimensions `dims` of one earlier value's shape (`("dims", ref, dims)`: the length a
+    gradient tiles by, a mean's count). A constant with an element no rule explains is not
+    derived (the member puts its own)."""
+    out = {}
+    for slot, (record, pos) in relaxed.const_sites.items():
+        spec = relaxed.trace.feeds[slot].spec
+        if spec.dtype not in _DERIVABLE or spec.shape is None or len(spec.shape) > 1 or \
+                int(np.prod(spec.shape)) > 8:
+            continue
+        values = [constant_value(t.records[record].input_refs()[pos]).reshape(-1)
+                  for t in traces]
+        rules = []
+        for k in range(values[0].size):
+            col = [v[k].item() for v in values]
+            if all(c == col[0] for c in col):
+                rules.append(("const", col[0]))
+                continue
+            rule = None
+            if all(float(c).is_integer() for c in col):
+                rule = _dims_rule(relaxed.trace, traces, record, [int(c) for c in col])
+            if rule is None:
+                break
+            rules.append(rule)
+        else:
+            out[slot] = tuple(rules)
+    return out
+
+
+def rules_hold(derived: dict, relaxed: Relaxed, trace: Trace) -> bool:
+    """Whether every rule of `derived` gives the constant that member trace `trace` holds."""
+    for slot, rules in derived.items():
+        record, pos = relaxed.const_sites[slot]
+        want = constant_value(trace.records[record].input_refs()[pos]).reshape(-1)
+        for rule, v in zip(rules, want):
+            got = rule[1] if rule[0] == "const" else \
+                math.prod(_shape_of(trace, rule[1])[d] for d in rule[2])
+            if got != v.item():
+                return False
+    return True
+
+
+def _shape_of(trace, ref):
+    if isinstance(ref, FeedRef):
+        return trace.feeds[ref.slot].spec.shape
+    return trace.records[ref.record].outputs[ref.index].shape
+
+
+def _dims_rule(relaxed_trace, traces, before, col):
+    """The first value before record `before` (feeds first, then outputs in record order) and
+    the fewest of its dimensions, one at least unknown in the relaxed trace, whose product is
+    `col[i]` in member `i`'s trace, for every member; None if there is none."""
+    refs = [FeedRef(f.slot) for f in relaxed_trace.feeds if f.source != SHAPE_CONSTANT]
+    refs += [OutputRef(r.index, j) for r in relaxed_trace.records[:before]
+             for j in range(len(r.outputs))]
+    for ref in refs:
+        shape = _shape_of(relaxed_trace, ref)
+        if shape is None or None not in shape or len(shape) > 4:
+            continue
+        shapes = [_shape_of(t, ref) for t in traces]
+        if any(s is None or None in s for s in shapes):
+            continue
+        subsets = sorted((c for n in range(1, len(shape) + 1)
+                          for c in itertools.combinations(range(len(shape)), n)
+                          if any(shape[d] is None for d in c)), key=len)
+        for dims in subsets:
+            if all(math.prod(s[d] for d in dims) == v for s, v in zip(shapes, col)):
+                return ("dims", ref, dims)
+    return None

@@ -60,6 +60,11 @@ class StaticValues:
         value, needs = self._get(ref)
         return value if needs <= checked else None
 
+    def shape_function(self, ref: OutputRef) -> bool:
+        """Whether `ref`'s value is a function of shapes alone (static given the traced
+        shapes of the data-dependent values it reads)."""
+        return self._get(ref)[0] is not None
+
     def _get(self, ref: OutputRef):
         """(value or None, the data-dependent shapes it assumed to be the traced ones)."""
         key = (ref.record, ref.index)

@@ -99,7 +99,7 @@ class UnitSkipping:
         unknown = self.iteration.exe.unknown_shapes()
         if not unknown:
             return None
-        missing, changed = [], None
+        missing, changed, generic = [], None, False
         for ref in self.view.shapes_read_by(unit):
             if ref not in unknown:
                 continue
@@ -110,6 +110,9 @@ class UnitSkipping:
             traced = tuple(self.view.records[ref.record].outputs[ref.index].shape)
             if np.shape(value) == traced:
                 self.shapes_checked.add(ref)  # (static values may take its traced shape now)
+            elif changed is None and self._runs_with_new_shape(unit, ref, traced,
+                                                               np.shape(value)):
+                generic = True
             elif changed is None:
                 changed = Divergence(user_line(), f"{ref!r} of shape {list(traced)}",
                                      f"shape {list(np.shape(value))}", self.pos,
@@ -119,17 +122,37 @@ class UnitSkipping:
                 self.log_fetch(ref)
             return Divergence(user_line(), f"fetch of {missing[0]!r}", "no fetch", self.pos,
                               "shape read by a unit that the graph does not fetch")
-        if changed is None:
+        if generic and changed is None:
+            self.generic_units.add(unit.start)
+        elif changed is None:
             # its inputs have the traced shapes, so its own ops have theirs: the shape reads of
             # its Python are answered as traced, not fetched (its ops wait for this check)
             self.shapes_checked.update(r for r in unknown if unit.start <= r.record < unit.end)
         return changed
 
+    def _runs_with_new_shape(self, unit, ref, traced, shape) -> bool:
+        """Whether `unit` may be skipped although its input `ref` has `shape`, not the traced
+        one: the path runs its shape group's graph, which computes every shape constant of
+        the unit from the shapes it holds (`ShapeGroup.computes_constants_of`), the group's
+        members differ in those dimensions (`ShapeGroup.takes_shape`), and whatever the unit's
+        Python read inside itself is a function of shapes (its constants carry it)."""
+        path = self.iteration.path
+        group = path.group
+        if group is None or group.graph is None or path.graph is not group.graph or \
+                self.view is not path.view or not group.takes_shape(ref, traced, shape) or \
+                not group.computes_constants_of(unit):
+            return False
+        return all(r.record < unit.start or path.static.shape_function(r)
+                   for r, _ in unit.reads if hasattr(r, "record"))
+
     def _changed_read(self, unit) -> Optional[Divergence]:
         """Why `unit` cannot be skipped as recorded: a value its Python read then is different
         now, or cannot be known without a fetch the graph lacks (logged, so the next graph has
         it). None if every read is the same."""
+        generic = unit.start in self.generic_units
         for ref, value in unit.reads:
+            if generic and getattr(ref, "record", -1) >= unit.start:
+                continue  # a shape read inside the unit: its constants, the graph computes
             current = self.iteration.unit_read(ref)
             if current is None:
                 self.log_fetch(ref)

@@ -16,7 +16,8 @@ import tensorflow as tf  # noqa: E402
 import terra  # noqa: E402
 from terra.ir.records import ConstRef, Feed, FeedRef, OpRecord, OutputRef, TensorSpec, Trace  # noqa: E402
 from terra.runtime.session import SESSION  # noqa: E402
-from terra.runtime.shape_groups import SHAPE_CONSTANT, Relaxed, member_values, relax  # noqa: E402
+from terra.runtime.shape_groups import (SHAPE_CONSTANT, Relaxed, derive, member_values,  # noqa: E402
+                                        relax, rules_hold)
 from tests.counting import CompileCounter  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_terra")
@@ -262,6 +263,32 @@ def test_relax_refuses_traces_that_differ_in_more_than_shapes():
     rank = _trace(5, None)
     rank.records[1] = _rec(1, "Relu", (OutputRef(0, 0),), (2, 5, 1))
     assert relax(Relaxed(a, {}), rank) is None        # another rank
+
+
+def _counted(n, multiples):
+    """A count the data set (a `Where`'s rows), and a `Tile` by a constant `multiples`."""
+    recs = [OpRecord(0, "Where", (("T", "bool"),), (FeedRef(0),), (TensorSpec("int64", (n, 1)),),
+                     None),
+            OpRecord(1, "Tile", (("T", "int64"),), (OutputRef(0, 0), ConstRef(multiples, "int32")),
+                     (TensorSpec("int64", (n * multiples[0], 1)),), None)]
+    return Trace("t", recs, [Feed(0, TensorSpec("bool", (9,)), "eager-tensor")], [None])
+
+
+def test_derived_constants_follow_a_dimension_every_member_shows():
+    """A constant that equals a data-dependent dimension in every member is computed in the
+    graph from that dimension; a member whose constant breaks the rule (a coincidence of the
+    members seen so far) is caught by `rules_hold`, and a constant no dimension explains is
+    not derived."""
+    a, b = _counted(3, (3, 1)), _counted(5, (5, 1))
+    r = relax(Relaxed(a, {}), b)
+    assert derive(r, [a, b]) == {1: (("dims", OutputRef(0, 0), (0,)), ("const", 1))}
+    derived = derive(r, [a, b])
+    assert rules_hold(derived, r, _counted(4, (4, 1)))
+    assert not rules_hold(derived, r, _counted(4, (2, 1)))
+    c = _counted(5, (2, 1))  # multiples no dimension gives: the member puts them
+    assert derive(relax(Relaxed(a, {}), c), [a, c]) == {}
+    assert derive(relax(Relaxed(_trace(3, None), {}), _trace(5, None)),
+                  [_trace(3, None), _trace(5, None)]) == {}  # (2 * n elements, n asked)
 
 
 def _tail_program(Tape, lengths, reshape_tail):
