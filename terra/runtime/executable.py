@@ -56,6 +56,10 @@ class Executable:
         (`LoweredPath.gates`); False if the graph has no gate there."""
         return False
 
+    def gated(self, start: int) -> bool:
+        """Whether the graph's ops of the coarse unit at record `start` wait for its gate."""
+        return False
+
     def starts_early(self) -> bool:
         """Whether the run starts with the iteration (else at the first feed put)."""
         raise NotImplementedError
@@ -177,6 +181,9 @@ class PathRun(Executable):
             return False
         ch.put(True)
         return True
+
+    def gated(self, start: int) -> bool:
+        return start in self.graph.gate_channels
 
     def starts_early(self) -> bool:
         # else at the first feed: a feed of another signature (the next batch has another

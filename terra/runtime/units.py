@@ -247,20 +247,26 @@ def layer_call(session, layer, original, args, kwargs, loss=False):
                 guard = _feed_data_inputs(it.runner, unit.guard, guard, flat)
             if guard is None:
                 return original(layer, *args, **kwargs)
+        diverged = None
         if unit is not None and unit.guard == guard:
             try:
                 with session.internal():
                     out = it.runner.gradient_unit(guard)
                 return tf.nest.pack_sequence_as(unit.structure, out, expand_composites=True)
-            except Diverged:  # a value the layer's Python read differs: its ops decide
-                pass
-        if model:  # its layers may be units of their own
-            return original(layer, *args, **kwargs)
-        session.layer_depth += 1  # no unit here: match the layer's ops one by one
-        try:
-            return original(layer, *args, **kwargs)
-        finally:
-            session.layer_depth -= 1
+            except Diverged as d:  # a value the layer's Python read differs: its ops decide
+                diverged = d
+        if diverged is not None and it.exe.gated(unit.start):
+            # unless the graph's ops of the unit wait for its check: matched one by one, they
+            # would never run (and a read of one of them would wait forever)
+            it.fallback(diverged.divergence)
+        else:
+            if model:  # its layers may be units of their own
+                return original(layer, *args, **kwargs)
+            session.layer_depth += 1  # no unit here: match the layer's ops one by one
+            try:
+                return original(layer, *args, **kwargs)
+            finally:
+                session.layer_depth -= 1
     rec = it.recorder
     flat = [x._terra_materialize() if isinstance(x, Placeholder) else x for x in flat]
     guard = (id(layer), settings) + tuple(guard_of(x) for x in flat)
