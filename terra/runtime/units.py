@@ -254,11 +254,11 @@ def layer_call(session, layer, original, args, kwargs, loss=False):
                     out = it.runner.gradient_unit(guard)
                 return tf.nest.pack_sequence_as(unit.structure, out, expand_composites=True)
             except Diverged as d:  # a value the layer's Python read differs: its ops decide
-                diverged = d
+                diverged = d.divergence  # (not the exception: its traceback holds the frames)
         if diverged is not None and it.exe.gated(unit.start):
             # unless the graph's ops of the unit wait for its check: matched one by one, they
             # would never run (and a read of one of them would wait forever)
-            it.fallback(diverged.divergence)
+            it.fallback(diverged)
         else:
             if model:  # its layers may be units of their own
                 return original(layer, *args, **kwargs)
