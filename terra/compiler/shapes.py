@@ -17,11 +17,16 @@ class _Probe(GraphReplay):
     """Builds one record in a scratch graph: fed and produced inputs are graph placeholders of
     their recorded specs (values unknown), constants are constants, variables unknown handles."""
 
-    def __init__(self, spec_of):
+    def __init__(self, spec_of, value_of=None):
         super().__init__(Trace("shape-probe"), None)
         self.spec_of = spec_of
+        self.value_of = value_of
 
     def value(self, ref, dtype=None):
+        if self.value_of is not None and isinstance(ref, OutputRef):
+            v = self.value_of(ref)
+            if v is not None:
+                return tf.constant(v)
         if isinstance(ref, (FeedRef, OutputRef)):
             spec = self.spec_of(ref)
             return tf.compat.v1.placeholder(spec.dtype, spec.shape)
@@ -32,8 +37,12 @@ class _Probe(GraphReplay):
         return super().value(ref, dtype)
 
 
-def _key(rec, spec_of):
+def _key(rec, spec_of, value_of=None):
     def one(r):
+        if value_of is not None and isinstance(r, OutputRef):
+            v = value_of(r)
+            if v is not None:
+                return ("value", str(v.dtype), v.shape, v.tobytes())
         if isinstance(r, (FeedRef, OutputRef)):
             return ("spec", spec_of(r))
         return r if isinstance(r, ConstRef) else ("var",)
@@ -65,19 +74,20 @@ def shapes_fixed(rec, spec_of) -> bool:
 _outputs_cache: dict = {}
 
 
-def output_shapes(rec, spec_of):
+def output_shapes(rec, spec_of, value_of=None):
     """The output shapes TF infers for op record `rec` with inputs of the specs `spec_of(ref)`
-    gives (constants as recorded): a tuple with a shape tuple per output, None for one TF cannot
+    gives (constants as recorded; a produced input whose value `value_of(ref)` knows, a NumPy
+    array, as that constant): a tuple with a shape tuple per output, None for one TF cannot
     fix; None if the op cannot be built here (function calls included). Cached per op, attrs,
     input specs and constants."""
     if rec.route == "function":
         return None
-    key = _key(rec, spec_of)
+    key = _key(rec, spec_of, value_of)
     out = _outputs_cache.get(key, False)
     if out is False:
         try:
             with tf.Graph().as_default():
-                outs = _Probe(spec_of).op(rec)
+                outs = _Probe(spec_of, value_of).op(rec)
                 out = tuple(tuple(t.shape.as_list()) if t.shape.is_fully_defined() else None
                             for t in outs)
         except Exception:  # noqa: BLE001 - an op the probe cannot build

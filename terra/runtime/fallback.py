@@ -25,7 +25,7 @@ import tensorflow as tf
 from terra import _tf_private as tfp
 from terra.ir.op_kinds import HOST_OPS
 from terra.compiler.interpret import Interpreter
-from terra.ir.records import Trace, VariableRef
+from terra.ir.records import Feed, FeedRef, TensorSpec, Trace, VariableRef
 from terra.runtime.placeholders import Placeholder
 
 # Ops whose first input is a variable they update (anything else taking a variable only reads).
@@ -190,8 +190,12 @@ class EagerReplay(Interpreter):
     on active tapes) into `env`."""
 
     def __init__(self, trace: Trace, feed_values: dict, tape_spans=(), watches=None,
-                 pre_watch=None):
+                 pre_watch=None, rewrite=None):
         super().__init__(trace, feed_values)
+        # rec, shape_of -> the record as this iteration runs it (None: as recorded): a shape
+        # group's member run with another length computes its shape constants anew
+        self.rewrite = rewrite
+        self.rewritten: dict = {}   # record index -> the record as run
         self.pre_watch = pre_watch or {}  # tape -> tensors to watch once it records
         self.watches = watches or {}   # (record, index) -> tapes that watch that output
         # (tape, first record, end record or None): tapes open over those records in eager;
@@ -237,11 +241,36 @@ class EagerReplay(Interpreter):
                     if b == rec.index and t in resumed:
                         tfp.pause_tape(t)
                         resumed.remove(t)
+                if self.rewrite is not None:
+                    new = self.rewrite(rec, self._shape_of)
+                    if new is not rec:
+                        rec = self.rewritten[rec.index] = new
                 self.step(rec)  # (`at`: the failing record on an error)
         finally:
             for t in resumed:
                 tfp.pause_tape(t)
         return self.env
+
+    def _shape_of(self, ref):
+        v = self.feed(ref.slot) if isinstance(ref, FeedRef) else \
+            self.env.get((ref.record, ref.index))
+        return None if v is None else tuple(v.shape.as_list())
+
+    def as_run(self) -> Trace:
+        """The trace with the records as run and each fed slot's spec of the value fed."""
+        t = self.trace
+        feeds = list(t.feeds)
+        for slot in self.feeds:
+            shape = tuple(self.feed(slot).shape.as_list())
+            if feeds[slot].spec.shape != shape:
+                feeds[slot] = Feed(slot, TensorSpec(feeds[slot].spec.dtype, shape),
+                                   feeds[slot].source)
+        if not self.rewritten and feeds == t.feeds:
+            return t
+        records = [self.rewritten.get(r.index, r) for r in t.records]
+        return Trace(t.site, records, feeds, list(t.feed_values), list(t.fetches),
+                     dict(t.variables), list(t.unsupported), dict(t.functions),
+                     list(t.unseeded_random), list(t.fast_fallbacks))
 
     def emit(self, rec):
         if rec.op_type in HOST_OPS:  # the program's thread ran it when it got there

@@ -20,6 +20,7 @@ from terra.runtime.iteration_end import IterationEnd
 from terra.runtime.placeholders import Placeholder
 from terra.runtime.divergence import GRAPH_ERROR, Divergence, DivergenceKind, user_line
 from terra.runtime.python_runner import UNSET, PythonRunner, placeholder_ref
+from terra.runtime.shape_groups import current_record
 from terra.tracing import hook
 from terra.tracing.recorder import ContinuingRecorder
 
@@ -239,7 +240,7 @@ class Iteration(IterationEnd):
                 # a shape the path fixes: no need to wait (unless this iteration's shapes differ
                 # from the path's there: PythonRunner.shape_from)
                 v = self.path.static.get(ref) if self.runner.shape_from is None or \
-                    ref.record < self.runner.shape_from else None
+                    ref.record < self.runner.shape_from else self.runner.static_now().get(ref)
                 if v is not None:
                     self.runner.log_fetch(ref)
                     s.counters.static_reads += 1
@@ -302,7 +303,7 @@ class Iteration(IterationEnd):
         if ph is not None and ph.is_materialized:
             return ph.numpy()
         v = self.path.static.get(ref, runner.shapes_checked) if runner.shape_from is None or \
-            ref.record < runner.shape_from else None
+            ref.record < runner.shape_from else runner.static_now().get(ref)
         if v is not None:
             return np.asarray(v)
         if not self.exe.fetchable(ref) or ref in self.fetched:
@@ -414,7 +415,14 @@ class Iteration(IterationEnd):
                 pre_watch[tape] = now
                 for key in later:
                     watches.setdefault(key, []).append(tape)
-            replay = EagerReplay(self.path.trace, runner.fed, self.tape_spans, watches, pre_watch)
+            group = self.path.group
+            # past a feed of a new shape, the shape constants the group's graph computes are
+            # computed anew (the member's are its traced length's)
+            rewrite = None if runner.shape_from is None or group is None or not group.derived \
+                else lambda rec, shape_of: (rec if rec.index < runner.shape_from else
+                                            current_record(group, rec, shape_of) or rec)
+            replay = EagerReplay(self.path.trace, runner.fed, self.tape_spans, watches, pre_watch,
+                                 rewrite)
             upto, error = runner.pos, None
             try:
                 env = replay.run(upto)
@@ -427,7 +435,7 @@ class Iteration(IterationEnd):
             self.replayed = env
             bind_placeholders(runner.placeholders, env)
             rec = ContinuingRecorder(self.site.label, CONFIG.max_trace_ops)
-            rec.seed(self.path.trace, upto, runner.fed, env, runner.placeholders,
+            rec.seed(replay.as_run(), upto, runner.fed, env, runner.placeholders,
                      self.path.units, [f for f in runner.fetch_log if f.ref.record < upto],
                      replay, runner.born)
             runner.placeholders = {}

@@ -25,14 +25,14 @@ import tensorflow as tf
 
 from terra import _tf_private as tfp
 from terra.ir.op_kinds import HOST_OPS
-from terra.compiler.shapes import output_shapes
-from terra.ir.records import ConstRef, FeedRef, Fetch, OutputRef, TensorSpec, VariableRef
+from terra.ir.records import ConstRef, FeedRef, Fetch, OutputRef, VariableRef
 from terra.runtime.op_inputs import (attr_types, may_take_variable, np_dtype_name,
                                      single_output, takes_variables, tape_word, variable_ref)
 from terra.runtime.divergence import (GRAPH_ERROR, PAST_END, Diverged, Divergence,
                                       DivergenceKind, user_line)
 from terra.runtime.path_view import PathView
 from terra.runtime.placeholders import Placeholder
+from terra.runtime.new_shapes import NewShapes
 from terra.runtime.unit_skip import UNSET, UnitSkipping  # noqa: F401 - UNSET: re-exported
 from terra.tracing import hook
 from terra.tracing.recorder import frozen_value, is_python_value, freeze_attr
@@ -74,7 +74,7 @@ class _Resolver:
 
 
 # ------------------------------------------------------------------------------------ the runner
-class PythonRunner(UnitSkipping, hook.Interceptor):
+class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
     """Skip mode for one iteration on one path. `iteration` is the session's iteration object: it
     owns the feed/fetch channels, and `iteration.fallback(divergence)` ends skip mode."""
 
@@ -385,53 +385,6 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
             return True
         return fits
 
-    def _takes_new_shape(self, slot, dtype, shape) -> bool:
-        """Whether a feed of a shape the path was not traced with can still be put: the path
-        runs a shape group's graph (shape_groups.py), which takes any shape the group relaxes
-        to, and only plain ops follow, whose output shapes TF's inference gives from this
-        iteration's shapes (no coarse unit, whose Python built its ops from the traced shapes,
-        and no shape constant the member puts as traced). The typical case: the next batch,
-        of another length, sliced after the tape's block and before the next step's."""
-        path = self.iteration.path
-        group = path.group
-        if group is None or self.view is not path.view:
-            return False
-        want = group.relaxed.trace.feeds[slot].spec
-        if want.dtype != dtype or want.shape is None or len(want.shape) != len(shape) or \
-                any(a is not None and a != b for a, b in zip(want.shape, shape)):
-            return False
-        pos = self.pos
-        if any(u.end > pos for u in self.view.units.values()) or \
-                any(r >= pos for r, _ in group.relaxed.const_sites.values()):
-            return False
-        if self.shape_from is None:
-            self.shape_from = pos
-        self.new_shapes[("feed", slot)] = tuple(shape)
-        return True
-
-    def _infer_shapes(self, rec) -> None:
-        """This iteration's output shapes of record `rec` (past `shape_from`), by TF's
-        inference on its inputs' shapes now; diverges where it cannot fix them. (A host op
-        runs for real: its values carry their own shapes.)"""
-        if rec.op_type in HOST_OPS:
-            return
-
-        def spec_of(ref):
-            if isinstance(ref, FeedRef):
-                shape = self.new_shapes.get(("feed", ref.slot), self.view.feed_specs[ref.slot].shape)
-                return TensorSpec(self.view.feed_specs[ref.slot].dtype, shape)
-            mine = self.new_shapes.get(ref.record)
-            spec = self.view.records[ref.record].outputs[ref.index]
-            if mine is not None:
-                return TensorSpec(spec.dtype, mine[ref.index])
-            shape = self.iteration.exe.static_shape(ref)
-            return TensorSpec(spec.dtype, None if shape is None or shape.rank is None
-                              else tuple(shape.as_list()))
-        outs = output_shapes(rec, spec_of)
-        if outs is None or any(s is None for s in outs):
-            self._diverge("op of a new shape TF cannot infer", rec.op_type, "another shape")
-        self.new_shapes[rec.index] = outs
-
     def record_feed(self, slot, obj, value) -> None:
         """Feed slot `slot` with `value` (Python supplied `obj`): remembered, and put."""
         self.fed_ids[slot] = id(obj)
@@ -475,6 +428,7 @@ class PythonRunner(UnitSkipping, hook.Interceptor):
 
 
 _RESOURCE = tf.resource
+
 
 
 __all__ = ["PythonRunner", "SkipPlaceholder", "placeholder_ref", "UNSET"]

@@ -27,8 +27,10 @@ import numpy as np
 import tensorflow as tf
 
 from terra.ir.records import ConstRef, Feed, FeedRef, OutputRef, TensorSpec, Trace, replace
+from terra.tracing.recorder import frozen_value
 
-__all__ = ["ShapeGroup", "Relaxed", "derive", "relax", "member_values", "rules_hold"]
+__all__ = ["ShapeGroup", "Relaxed", "current_record", "derive", "relax", "member_values",
+           "rules_hold"]
 
 SHAPE_CONSTANT = "shape-constant"   # Feed.source of a constant that differs between members
 
@@ -169,6 +171,17 @@ class ShapeGroup:
             out.append(f"{len(self.derived)} computed from shapes")
         return ", ".join(out)
 
+    def const_positions(self) -> dict:
+        """`{record: {flat input position: slot}}` of the constants the graph computes."""
+        cached = self.__dict__.get("_positions")
+        if cached is None or cached[0] is not self.derived:
+            out = {}
+            for slot in self.derived:
+                record, pos = self.relaxed.const_sites[slot]
+                out.setdefault(record, {})[pos] = slot
+            cached = self.__dict__["_positions"] = (self.derived, out)
+        return cached[1]
+
     def computes_constants_of(self, unit) -> bool:
         """Whether the group's graph computes every shape constant of `unit`'s ops itself
         (`derive`), so the unit may run with shapes no member was traced with."""
@@ -235,6 +248,33 @@ def derive(relaxed: Relaxed, traces) -> dict:
         else:
             out[slot] = tuple(rules)
     return out
+
+
+def current_record(group, rec, shape_of):
+    """Record `rec` of a member with each shape constant the group's graph computes replaced by
+    the value its rules give for the shapes `shape_of(ref)` returns (this iteration's: another
+    length than the member was traced with). None where a shape is not known."""
+    sites = group.const_positions().get(rec.index)
+    if not sites:
+        return rec
+    flat = list(rec.input_refs())
+    for pos, slot in sites.items():
+        spec = group.relaxed.trace.feeds[slot].spec
+        values = []
+        for rule in group.derived[slot]:
+            if rule[0] == "const":
+                values.append(rule[1])
+                continue
+            shape = shape_of(rule[1])
+            if shape is None or any(shape[d] is None for d in rule[2]):
+                return None
+            values.append(math.prod(shape[d] for d in rule[2]))
+        value = np.asarray(values, dtype=tf.as_dtype(spec.dtype).as_numpy_dtype)
+        flat[pos] = ConstRef(frozen_value(value.reshape(spec.shape), spec.dtype), spec.dtype)
+    it = iter(flat)
+    inputs = tuple(tuple(next(it) for _ in x) if isinstance(x, tuple) else next(it)
+                   for x in rec.inputs)
+    return replace(rec, inputs=inputs)
 
 
 def rules_hold(derived: dict, relaxed: Relaxed, trace: Trace) -> bool:

@@ -40,7 +40,7 @@ STATIC_OPS = frozenset({
     "Identity", "Cast", "AddV2", "Add", "Sub", "Mul", "FloorDiv", "FloorMod", "Maximum",
     "Minimum", "Neg", "Range", "Prod", "Sum", "Max", "Min", "Equal", "NotEqual", "Less",
     "LessEqual", "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr", "LogicalNot", "GatherV2",
-    "BroadcastArgs"})
+    "BroadcastArgs", "BroadcastGradientArgs"})
 _DTYPES = frozenset({"int32", "int64", "bool"})
 _MAX_ELEMENTS = 1024
 
@@ -48,8 +48,13 @@ _MAX_ELEMENTS = 1024
 class StaticValues:
     """Per path: (record, output) -> its iteration-invariant value, or None."""
 
-    def __init__(self, trace: Trace):
+    def __init__(self, trace: Trace, shape_of=None, rewrite=None):
+        """`shape_of(ref)`: the shapes to compute with, where not the recorded ones, and
+        `rewrite(rec)`: the record as this iteration runs it (an iteration of a shape group's
+        member fed another length: `PythonRunner.static_now`)."""
         self.trace = trace
+        self.shape_of = shape_of
+        self.rewrite = rewrite
         self._replay = EagerReplay(trace, {})
         self._known: dict = {}
         self._unknown = None   # outputs whose shape depends on data (`unknown_shapes`)
@@ -81,6 +86,8 @@ class StaticValues:
         return out
 
     def _spec_shape(self, ref):
+        if self.shape_of is not None and isinstance(ref, (OutputRef, FeedRef)):
+            return self.shape_of(ref)
         if isinstance(ref, OutputRef):
             return self.trace.records[ref.record].outputs[ref.index].shape
         if isinstance(ref, FeedRef):
@@ -91,10 +98,13 @@ class StaticValues:
 
     def _compute(self, ref):
         rec = self.trace.records[ref.record]
+        if self.rewrite is not None:
+            rec = self.rewrite(rec)
         if rec.route == "function" or any(o.dtype not in _DTYPES for o in rec.outputs):
             return None
         want = rec.outputs[ref.index]
-        if want.shape is None or None in want.shape or math.prod(want.shape) > _MAX_ELEMENTS:
+        want_shape = self._spec_shape(ref)
+        if want_shape is None or None in want_shape or math.prod(want_shape) > _MAX_ELEMENTS:
             return None
         if rec.op_type in SHAPE_OPS:
             shape = self._spec_shape(rec.inputs[0])
@@ -121,7 +131,7 @@ class StaticValues:
             value = self._replay.env[(rec.index, ref.index)]
         else:
             return None
-        if value.dtype.name != want.dtype or tuple(value.shape.as_list()) != tuple(want.shape):
+        if value.dtype.name != want.dtype or tuple(value.shape.as_list()) != tuple(want_shape):
             return None
         return value
 

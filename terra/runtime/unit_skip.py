@@ -69,6 +69,8 @@ class UnitSkipping:
                 if u is not None and u.guard == guard:
                     unit = u
                     break
+        if self.shape_from is not None and unit.start >= self.shape_from:
+            self.unit_result_shapes(unit)  # (past a feed of a new shape: this iteration's)
         self.last_unit = unit
         self.iteration.open_gate(unit.start)
         self.pos = unit.end
@@ -150,9 +152,13 @@ class UnitSkipping:
         now, or cannot be known without a fetch the graph lacks (logged, so the next graph has
         it). None if every read is the same."""
         generic = unit.start in self.generic_units
+        late = self.shape_from is not None and unit.start >= self.shape_from
         for ref, value in unit.reads:
             if generic and getattr(ref, "record", -1) >= unit.start:
                 continue  # a shape read inside the unit: its constants, the graph computes
+            if late and getattr(ref, "record", -1) >= self.shape_from and \
+                    self.iteration.path.static.shape_function(ref):
+                continue  # a shape read past a feed of a new shape: the same
             current = self.iteration.unit_read(ref)
             if current is None:
                 self.log_fetch(ref)
