@@ -151,7 +151,8 @@ class Path:
 
     @functools.cached_property
     def static(self) -> StaticValues:
-        return StaticValues(self.trace)
+        return StaticValues(self.trace, unknown=lambda: getattr(self.graph, "unknown_shapes",
+                                                                None))
 
     @functools.cached_property
     def early_feed(self) -> bool:

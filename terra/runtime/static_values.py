@@ -48,13 +48,16 @@ _MAX_ELEMENTS = 1024
 class StaticValues:
     """Per path: (record, output) -> its iteration-invariant value, or None."""
 
-    def __init__(self, trace: Trace, shape_of=None, rewrite=None):
+    def __init__(self, trace: Trace, shape_of=None, rewrite=None, unknown=None):
         """`shape_of(ref)`: the shapes to compute with, where not the recorded ones, and
         `rewrite(rec)`: the record as this iteration runs it (an iteration of a shape group's
         member fed another length: `PythonRunner.static_now`)."""
         self.trace = trace
         self.shape_of = shape_of
         self.rewrite = rewrite
+        # () -> the outputs whose shape depends on data, as the path's graph found them (None:
+        # no graph yet; they are then found from the trace)
+        self.unknown_of = unknown
         self._replay = EagerReplay(trace, {})
         self._known: dict = {}
         self._unknown = None   # outputs whose shape depends on data (`unknown_shapes`)
@@ -112,7 +115,8 @@ class StaticValues:
                 return None
             if isinstance(rec.inputs[0], OutputRef):
                 if self._unknown is None:
-                    self._unknown = unknown_shapes(self.trace)
+                    known = self.unknown_of() if self.unknown_of is not None else None
+                    self._unknown = known if known is not None else unknown_shapes(self.trace)
                 if rec.inputs[0] in self._unknown:
                     self._needs.add(rec.inputs[0])
             value = tf.constant(SHAPE_OPS[rec.op_type](shape), dtype=want.dtype)
