@@ -259,6 +259,8 @@ class EagerReplay(Interpreter):
     def as_run(self) -> Trace:
         """The trace with the records as run and each fed slot's spec of the value fed."""
         t = self.trace
+        if self.rewrite is None:
+            return t
         feeds = list(t.feeds)
         for slot in self.feeds:
             shape = tuple(self.feed(slot).shape.as_list())

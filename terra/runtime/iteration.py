@@ -418,7 +418,7 @@ class Iteration(IterationEnd):
             group = self.path.group
             # past a feed of a new shape, the shape constants the group's graph computes are
             # computed anew (the member's are its traced length's)
-            rewrite = None if runner.shape_from is None or group is None or not group.derived \
+            rewrite = None if runner.shape_from is None or group is None \
                 else lambda rec, shape_of: (rec if rec.index < runner.shape_from else
                                             current_record(group, rec, shape_of) or rec)
             replay = EagerReplay(self.path.trace, runner.fed, self.tape_spans, watches, pre_watch,

@@ -32,7 +32,8 @@ class NewShapes:
         shape constant the group's graph computes from the shapes it holds (`derive`): its
         results get the shapes every member's share, or TF's inference over its records. A
         shape constant the member puts as traced, outside such a unit, does not; nor does a
-        length of 0 or 1 before a unit (TF's Python may build other ops for it)."""
+        length of 0 or 1 before a unit, or a member traced with one (TF's Python may build
+        other ops for it)."""
         path = self.iteration.path
         group = path.group
         if group is None or self.view is not path.view:
@@ -49,7 +50,7 @@ class NewShapes:
                for r, _ in group.relaxed.const_sites.values()):
             return False
         traced = self.view.feed_specs[slot].shape
-        if units and any(a != b and a < 2 for a, b in zip(shape, traced or shape)):
+        if units and any(a != b and min(a, b) < 2 for a, b in zip(shape, traced or shape)):
             return False
         if self.shape_from is None:
             self.shape_from = pos
@@ -136,10 +137,15 @@ class NewShapes:
                               else tuple(shape.as_list()))
         static = self.static_now()
         outs = output_shapes(rec, spec_of, lambda ref: _small_array(static.get(ref)))
+        if outs is not None and any(s is None for s in outs):
+            # a shape TF's inference leaves open but the op's value fixes
+            # (`BroadcastGradientArgs`' reduction axes): the value's
+            values = [static.get(OutputRef(rec.index, j)) for j in range(len(outs))]
+            outs = tuple(s if s is not None or v is None else tuple(v.shape.as_list())
+                         for s, v in zip(outs, values))
         if outs is None or any(s is None for s in outs):
             self._diverge("op of a new shape TF cannot infer", rec.op_type, "another shape")
         self.new_shapes[rec.index] = outs
-
 
 
 def _small_array(value):

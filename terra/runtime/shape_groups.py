@@ -191,12 +191,14 @@ class ShapeGroup:
     def takes_shape(self, ref: OutputRef, traced, shape) -> bool:
         """Whether value `ref`, traced with `traced`, may have `shape` on the group's graph: it
         differs only in dimensions the members differ in (unknown in the relaxed trace), and
-        none of those is 0 or 1 (whose special cases, broadcasting and empty reductions, TF's
-        Python may build other ops for: they are traced as members of their own)."""
+        none of those is 0 or 1, now or as traced (whose special cases, broadcasting and empty
+        reductions, TF's Python may build other ops for: they are traced as members of their
+        own)."""
         relaxed = self.relaxed.trace.records[ref.record].outputs[ref.index].shape
         if relaxed is None or len(shape) != len(traced) or len(shape) != len(relaxed):
             return False
-        return all(a == b or r is None and a >= 2 for a, b, r in zip(shape, traced, relaxed))
+        return all(a == b or r is None and min(a, b) >= 2
+                   for a, b, r in zip(shape, traced, relaxed))
 
     def static_shape(self, member, ref: OutputRef):
         """The shape a member's placeholder claims: its recorded shape, or for an output whose

@@ -106,8 +106,9 @@ class StaticValues:
         if rec.route == "function" or any(o.dtype not in _DTYPES for o in rec.outputs):
             return None
         want = rec.outputs[ref.index]
-        want_shape = self._spec_shape(ref)
-        if want_shape is None or None in want_shape or math.prod(want_shape) > _MAX_ELEMENTS:
+        want_shape = self._spec_shape(ref)  # (None: not known yet, `shape_of`: the value's)
+        if want_shape is None and self.shape_of is None or want_shape is not None and (
+                None in want_shape or math.prod(want_shape) > _MAX_ELEMENTS):
             return None
         if rec.op_type in SHAPE_OPS:
             shape = self._spec_shape(rec.inputs[0])
@@ -135,7 +136,9 @@ class StaticValues:
             value = self._replay.env[(rec.index, ref.index)]
         else:
             return None
-        if value.dtype.name != want.dtype or tuple(value.shape.as_list()) != tuple(want_shape):
+        if value.dtype.name != want.dtype or want_shape is not None and \
+                tuple(value.shape.as_list()) != tuple(want_shape) or \
+                value.shape.num_elements() > _MAX_ELEMENTS:
             return None
         return value
 

@@ -452,3 +452,18 @@ def test_a_new_length_that_falls_back_late_replays_with_its_own_constants():
     # group's graph with its new length, and is traced and built (as a path of its own)
     c.assert_counts(traces=5, fallbacks=2, graph_builds=3, graph_reuses=0)
     assert not any("new shape TF cannot infer" in line for line in terra.explain().splitlines())
+
+
+def test_a_length_of_one_runs_only_on_its_own_member():
+    """TF's Python may build other ops for a dimension of size 1 (broadcasting): a length of 1
+    never runs on a member traced with another length, nor another length on the member traced
+    with 1. Here lengths 7 and 1 form the group; length 5, predicted on the member of 1,
+    switches to the member of 7 and runs there untraced; length 1 again runs on its own."""
+    lengths = [6, 7, 1, 5, 1, 8]
+    eager = _lm(tf.GradientTape, lengths)
+    with CompileCounter() as c:
+        got = _lm(tf.TerraGradientTape, lengths)
+    _assert_same(got, eager)
+    c.assert_counts(traces=3, graph_builds=1, graph_reuses=0, fallbacks=0, path_switches=1)
+    (g,) = _groups()
+    assert sorted(m.trace.feeds[0].spec.shape[1] for m in g.members) == [1, 7]
