@@ -42,11 +42,12 @@ class NewShapes:
         if want.dtype != dtype or want.shape is None or len(want.shape) != len(shape) or \
                 any(a is not None and a != b for a, b in zip(want.shape, shape)):
             return False
-        if any(m is not path and m.graph is path.graph and m.view is not None and
-               m.view.feed_specs[slot].shape == tuple(shape) for m in group.members):
-            return False  # a member traced with this shape: the switch goes there
         pos = self.pos
         units = [u for u in self.view.units.values() if u.end > pos]
+        if units and any(m is not path and m.graph is path.graph and m.view is not None and
+                         m.view.feed_specs[slot].shape == tuple(shape) for m in group.members):
+            return False  # a member traced with this shape: the switch goes there (its units'
+            # shapes are known; a unit's results need no inference)
         if any(u.start < pos or not group.computes_constants_of(u) for u in units):
             return False
         if any(r >= pos and not any(u.start <= r < u.end for u in units)
