@@ -59,8 +59,10 @@ class Config:
       Off by default (docs/usage.md, "Branches: the site graph": slower where measured, and
       rebuilt whole for every new path).
     shape_groups: paths that differ only in shapes (another batch size or sequence length) and
-      in constants made from them share one graph whose differing dimensions are unknown: a new
-      length costs a trace, not a build (docs/usage.md, "Varying shapes"). Not with site_graph.
+      in constants made from them share one graph whose differing dimensions are unknown and
+      which computes those constants from the shapes it holds where the members show how: a
+      new length runs on it untraced, or costs a trace and no build (docs/usage.md, "Varying
+      shapes"). Not with site_graph.
     """
     enabled: bool = True
     coexecution: bool = True
