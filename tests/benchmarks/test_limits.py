@@ -7,6 +7,7 @@ import pytest
 from benchmarks import limits
 
 
+@pytest.mark.slow  # (a benchmark's smoke test: the default suite keeps within its budget)
 @pytest.mark.usefixtures("fresh_terra")
 def test_limit_is_the_graph_alone_plus_the_numpy_part_of_the_programs_own_step():
     res = limits.run(steps=2, warmup=1, size="tiny")
