@@ -59,7 +59,23 @@ class NewShapes:
         if self.shape_from is None:
             self.shape_from = pos
         self.new_shapes[("feed", slot)] = tuple(shape)
+        self._use_table(path, (pos, slot, tuple(shape)))
         return True
+
+    def _use_table(self, path, feed) -> None:
+        """The shapes found past the feeds of new shapes accepted so far (`feed` the latest),
+        kept on the member: the next iteration fed the same shapes finds them there (TF's
+        inference once per feed signature, not per op and iteration)."""
+        tables = path.__dict__.setdefault("_new_shape_tables", {})
+        key = self.__dict__.get("_shape_key", ()) + (feed,)
+        self._shape_key = key
+        table = tables.get(key)
+        if table is None:
+            if len(tables) >= _TABLES:
+                tables.clear()
+            table = tables[key] = {}
+        self._shape_table = table
+        self.__dict__.pop("_static_now", None)
 
     def unit_result_shapes(self, unit) -> None:
         """This iteration's shapes of the results of `unit`, skipped whole past `shape_from`:
@@ -99,7 +115,14 @@ class NewShapes:
                 if group is None or rec.index < self.shape_from:
                     return rec
                 return current_record(group, rec, self._shape_now) or rec
-            s = self._static_now = StaticValues(self.view.trace, self._shape_now, rewrite)
+            table = self.__dict__.get("_shape_table")
+            s = table.get("static") if table is not None else None
+            if s is None:  # (values of one feed signature: the same in every iteration fed it)
+                s = StaticValues(self.view.trace, self._shape_now, rewrite)
+                if table is not None:
+                    table["static"] = s
+            s.shape_of, s.rewrite = self._shape_now, rewrite  # this iteration's shapes
+            self._static_now = s
         return s
 
     def _shape_now(self, ref):
@@ -119,6 +142,11 @@ class NewShapes:
         inference on its inputs' shapes now; diverges where it cannot fix them. (A host op
         runs for real: its values carry their own shapes.)"""
         if rec.op_type in HOST_OPS:
+            return
+        table = self.__dict__.get("_shape_table")
+        known = table.get(rec.index) if table is not None else None
+        if known is not None:
+            self.new_shapes[rec.index] = known
             return
         group = self.iteration.path.group
         if group is not None:  # shapes every member shares need no inference
@@ -150,6 +178,11 @@ class NewShapes:
         if outs is None or any(s is None for s in outs):
             self._diverge("op of a new shape TF cannot infer", rec.op_type, "another shape")
         self.new_shapes[rec.index] = outs
+        if table is not None:
+            table[rec.index] = outs
+
+
+_TABLES = 32  # feed signatures a member keeps the shapes of
 
 
 def _small_array(value):
