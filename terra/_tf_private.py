@@ -151,6 +151,12 @@ def create_op(op_type: str, flat_inputs, protos: dict, op_def):
     return op.outputs
 
 
+def add_control_input(op, control) -> None:
+    """Make graph op `op`, already created, wait for op `control` (what TF's automatic control
+    dependencies do after the fact; terra/compiler/commit.py gates writes this way)."""
+    op._add_control_input(control)  # pylint: disable=protected-access
+
+
 # A function graph outside any `tf.function`: eager variables' handles are captured into it (with
 # their shape data), so TF infers the shapes of a whole trace without tracing a function
 # (`compiler.shapes.unknown_shapes`).

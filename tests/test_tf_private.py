@@ -98,6 +98,21 @@ def test_ops_are_created_from_attr_protos_as_apply_op_helper_creates_them():
     assert d.numpy().tolist() == h.numpy().tolist() == [[5.0]]
 
 
+def test_a_control_input_added_after_the_fact_orders_the_ops():
+    """`add_control_input` (commit-gated writes): the op waits for the one added later."""
+    v = tf.Variable(1.0)
+
+    @tf.function(autograph=False)
+    def f():
+        read = v.read_value()
+        w = tfp.assign_variable_op(v.handle, tf.constant(5.0))
+        late = tf.raw_ops.NoOp(name="late")
+        tfp.add_control_input(w, late)
+        assert late in w.control_inputs
+        return read
+    assert f().numpy() == 1.0 and v.numpy() == 5.0
+
+
 def test_assign_variable_op_writes_by_handle():
     v = tf.Variable([1.0, 2.0])
     tfp.assign_variable_op(v.handle, tf.constant([5.0, 6.0]))

@@ -25,12 +25,16 @@ multiples a gradient tiles by, a mean's count): each rule is `("const", v)` or
 has checked them: their ops wait for a token on the span's gate channel (`gate_channels`),
 which Python puts when the unit's guard holds (a gradient whose ops were built from a shape the
 graph cannot know before it runs would otherwise run, and may fail, with another shape).
+
+`commit`: the graph's writes wait for a token on `commit_channel`, which Python puts once the
+iteration has stayed on its path (terra/compiler/commit.py); `commit_dependent` names the
+fetched values that wait for it too. Where the graph cannot be gated, `commit_channel` is None.
 """
 from __future__ import annotations
 
 import tensorflow as tf
 
-from terra.compiler import replay, xla
+from terra.compiler import commit, replay, xla
 from terra.compiler.channels import FeedChannel, FeedFetchOrder, FetchChannel
 from terra.compiler.names import op_node_name
 from terra.ir.records import FeedRef, OutputRef
@@ -43,8 +47,13 @@ class LoweredPath:
     records after which Python reads it; `liveouts`: refs returned, in this order."""
 
     def __init__(self, trace, fetch_points: dict, liveouts, xla_scopes: bool = False,
-                 gates=None, bundled=(), derived=None):
+                 gates=None, bundled=(), derived=None, commit=False):
         self.trace = trace
+        # commit-gated writes (compiler/commit.py): the channel Python puts the commit token on
+        # (None: not gated), and the fetched refs whose values wait for it
+        self.commit_channel = FeedChannel("bool", (), name="terra_commit", timed=False) \
+            if commit and not xla_scopes else None
+        self.commit_dependent = frozenset()
         self.derived = dict(derived or {})
         self.gates = dict(gates or {})
         self.gate_channels = {start: FeedChannel("bool", (), name=f"terra_gate{start}")
@@ -79,10 +88,22 @@ class LoweredPath:
             builder = _ChannelReplay(trace, self, order, xla_scopes)
             env = builder.run()
             self.xla_spans = builder.spans.count
+            if self.commit_channel is not None:
+                self._gate_writes(env)
             self.shapes = {OutputRef(i, j): t.shape for (i, j), t in env.items()}
             return [env[(r.record, r.index)] for r in liveouts]
 
         self.concrete = tf.function(body, autograph=False).get_concrete_function()
+
+    def _gate_writes(self, env) -> None:
+        """Writes wait for Python's commit (compiler/commit.py), where the graph allows it."""
+        tainted = commit.gate_writes(tf.compat.v1.get_default_graph().get_operations(),
+                                     self.trace.records, self.commit_channel.dequeue_op)
+        if tainted is None:
+            self.commit_channel = None
+            return
+        self.commit_dependent = frozenset(r for r in self.fetch_channels
+                                          if env[(r.record, r.index)].op in tainted)
 
     def fetch_channel(self, ref, value):
         """The channel of `ref`, made (eagerly) for `value`, its tensor in the graph being
