@@ -63,6 +63,11 @@ class Config:
       which computes those constants from the shapes it holds where the members show how: a
       new length runs on it untraced, or costs a trace and no build (docs/usage.md, "Varying
       shapes"). Not with site_graph.
+    commit_writes: a compiled path's variable writes wait until Python has ended the iteration
+      on its path (or reads a value that depends on a write), and the graph's ops that can fail
+      on their data run first: a run abandoned or failed before then has written nothing, so no
+      variable snapshot is taken per run (one graph call and one copy of every written variable
+      each step; terra/compiler/commit.py). False: snapshot before every run.
     """
     enabled: bool = True
     coexecution: bool = True
@@ -81,6 +86,7 @@ class Config:
     site_graph: bool = False
     background_builds: bool = False
     shape_groups: bool = True
+    commit_writes: bool = True
 
 
 CONFIG = Config()
@@ -88,7 +94,7 @@ CONFIG = Config()
 _CHECKS = {
     "enabled": (bool,), "coexecution": (bool,), "overlap_iterations": (bool,), "xla": (bool,), "grappler": (bool,),
     "arithmetic_optimizer": (bool,), "remapper": (bool,), "constant_folding": (bool,), "layer_units": (bool,), "site_graph": (bool,),
-    "background_builds": (bool,), "shape_groups": (bool,),
+    "background_builds": (bool,), "shape_groups": (bool,), "commit_writes": (bool,),
     "max_traces": (int,), "max_fallbacks": (int,), "verbose": (int,), "max_trace_ops": (int,),
     "timeout_s": (int, float),
 }

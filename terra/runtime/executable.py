@@ -27,6 +27,7 @@ class Executable:
     allows_pure_tail = False  # may end before its path's end when the ops left are pure
     waits_at_end = False    # its run can end once the path's last op matched (no puts left)
     holds = False           # its start (and Python's puts) may wait until the path is certain
+    commits = False         # its writes wait for `put_commit` (no snapshot before the run)
 
     @property
     def function(self):
@@ -58,6 +59,13 @@ class Executable:
 
     def gated(self, start: int) -> bool:
         """Whether the graph's ops of the coarse unit at record `start` wait for its gate."""
+        return False
+
+    def put_commit(self) -> None:
+        """Let the run write (`commits`): Python will not leave the path, or has snapshotted."""
+
+    def needs_commit(self, ref) -> bool:
+        """Whether the fetched value of `ref` waits for the commit (it depends on a write)."""
         return False
 
     def starts_early(self) -> bool:
@@ -184,6 +192,17 @@ class PathRun(Executable):
 
     def gated(self, start: int) -> bool:
         return start in self.graph.gate_channels
+
+    @property
+    def commits(self) -> bool:
+        return self.graph.commit_channel is not None
+
+    def put_commit(self) -> None:
+        self.put_any = True
+        self.graph.commit_channel.put(True)
+
+    def needs_commit(self, ref) -> bool:
+        return ref in self.graph.commit_dependent
 
     def starts_early(self) -> bool:
         # else at the first feed: a feed of another signature (the next batch has another

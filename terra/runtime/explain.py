@@ -36,6 +36,7 @@ class Counters:
     held_switches: int = 0     # path switches made before the run started: nothing to restart
     pure_tails: int = 0
     overlapped_iterations: int = 0
+    commit_snapshots: int = 0  # snapshots a read of a written value took mid-iteration (commit)
     static_reads: int = 0
     iterations: int = 0
     python_exec_s: float = 0.0

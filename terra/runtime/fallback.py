@@ -1,19 +1,23 @@
 """Fallback: leave skip mode mid-iteration and continue eagerly with nothing lost.
 
 On a divergence the graph is cancelled, the variables it may have written are restored from the
-snapshot taken at iteration start, and the ops the skeleton already matched (the "prefix") are
+snapshot taken at iteration start (where it wrote any: see below), and the ops the skeleton
+already matched (the "prefix") are
 replayed eagerly, op by op, through TF's own execute path and recorded on the active gradient
 tapes exactly as eager would have recorded them. Every placeholder the program holds is then bound
 to its real value, and a `ContinuingRecorder` (terra/tracing/recorder.py, seeded with the prefix)
 continues the iteration in the tracing phase, so the finished trace is identical to one recorded
 eagerly.
 
-Why a snapshot rather than gating writes on "reached" tokens (ARCHITECTURE.md §2): a snapshot is
-one graph call that reads every written variable; the reads share buffers with the variables and
-TF copies a buffer only when an update finds it shared, so the cost is one copy per written
-variable per iteration, paid inside the graph's own update ops. Token gating would add a feed per
-coarse unit and stop the graph from running ahead into the optimizer update, which is where
-co-execution gains most; see benchmarks/results/coexec.md for the measured snapshot cost.
+Most paths need no snapshot: their graph's writes wait for one commit token per iteration
+(terra/compiler/commit.py, `commit_writes`), which Python puts when the iteration has ended on
+its path, and for every op that can fail; a run abandoned or failed before then wrote nothing.
+The snapshot is one graph call that reads every written variable (the reads share buffers with
+the variables, so each update then copies its variable): on the worker thread before every run
+of a graph that cannot be gated, and on the program's thread when Python reads a value that
+depends on a write before its iteration ends (it commits early). One token per iteration, not
+one per coarse unit as ARCHITECTURE.md §2 weighed, keeps the graph running ahead into the
+optimizer update: in a pipelined loop the token of iteration i is put before run i starts.
 """
 from __future__ import annotations
 

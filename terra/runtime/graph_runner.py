@@ -84,7 +84,7 @@ class GraphRun:
     """One queued/running/finished execution of a graph function."""
 
     __slots__ = ("index", "fn", "args", "manager", "outputs", "error", "state", "exec_seconds",
-                 "_done", "consumed", "cancel_requested", "before", "config")
+                 "_done", "consumed", "cancel_requested", "before", "config", "committed")
 
     def __init__(self, index, fn, args, before=None, config=None):
         self.index = index
@@ -100,6 +100,9 @@ class GraphRun:
         self._done = threading.Event()
         self.consumed = False
         self.cancel_requested = False
+        # its writes may have begun with nothing to restore them from: `cancel` lets it finish
+        # (it needs nothing more from Python) rather than stop it half-way
+        self.committed = False
 
     @property
     def done(self):
@@ -323,10 +326,14 @@ class GraphRunner:
 
         Returns the runs that ended cancelled. Feeds Python already put stay queued: drain the
         channels (`FeedChannel.drain`) before the next run if they belong to the cancelled one.
+        A committed run (`GraphRun.committed`) is waited for instead: stopped half-way, it would
+        leave some of its writes made and others not.
         """
         with self._cv:
             runs = [r for r in self._runs if not r.done and (first is None or
                                                              r.index >= first.index)]
+            spared = [r for r in runs if r.committed]
+            runs = [r for r in runs if not r.committed]
             for r in runs:
                 r.cancel_requested = True
                 r.manager.start_cancel()
@@ -337,6 +344,8 @@ class GraphRunner:
                     r._done.set()
             self._work = collections.deque(r for r in self._work if r not in runs)
         timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+        for r in spared:  # (they run before the cancelled ones: runs go in order)
+            wait_event(r._done, f"committed graph run #{r.index}", timeout)
         for r in runs:
             wait_event(r._done, f"cancellation of graph run #{r.index}", timeout)
         with self._cv:

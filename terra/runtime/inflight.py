@@ -79,7 +79,7 @@ class InFlight:
             for x in reversed(later):  # newest first: back to the failed iteration's start
                 if x.snap is not None:
                     x.snapshot().restore(x.snap)
-                x.run, x.snap = None, None
+                x.run, x.snap, x.committed = None, None, False
             for x in later:
                 if x in self.pending:
                     self.pending.remove(x)

@@ -44,6 +44,7 @@ class Iteration(IterationEnd):
         self.path: Path | None = None
         self.run = None
         self.snap = None
+        self.committed = False  # the run may write (`Executable.commits`; see `commit`)
         self.fallback_gap: int | None = None   # iterations since the site's previous fallback
         self.fetched: set = set()
         self.outputs: dict = {}
@@ -185,10 +186,11 @@ class Iteration(IterationEnd):
             except Exception:  # noqa: BLE001 - see the docstring
                 pass
         self.graph().drain()
-        if self.snap is not None:  # None: the run never started, so it wrote nothing
-            self.snapshot().restore(self.snap)
+        if self.snap is not None:  # None: the run never started (or never committed: its
+            self.snapshot().restore(self.snap)  # writes waited), so it wrote nothing
         self.run = None
         self.snap = None
+        self.committed = False
 
     def start_graph(self, early: bool = False) -> None:
         """Queue this iteration's run; right before it starts (after every earlier run ended)
@@ -201,12 +203,38 @@ class Iteration(IterationEnd):
                 self._release()
             graph, snap = self.graph(), self.snapshot()
             self.snap = None
+            self.committed = False
 
             def snapshot():
                 self.snap = snap.take()
             self.exe.before_start()
-            self.run = self.session.runner.start(self.exe.function, before=snapshot,
-                                                 config=graph.run_config)
+            self.run = self.session.runner.start(
+                self.exe.function, before=None if self.exe.commits else snapshot,
+                config=graph.run_config)
+
+    def commit(self, final: bool) -> None:
+        """Let a run whose writes wait for Python's word (`Executable.commits`) write. `final`:
+        the iteration ended on its path, nothing can make it leave it, so nothing needs
+        restoring (and a cancel lets the run finish: `GraphRun.committed`). Otherwise Python
+        needs a value that depends on a write before then: the variables are snapshotted first,
+        once earlier runs have ended (the writes of this run still wait), as a run without a
+        commit channel does before it starts."""
+        if self.committed or not self.exe.commits:
+            return
+        s = self.session
+        with s.internal():
+            self.start_graph()
+            if not final:
+                if s.inflight.pending:
+                    s.inflight.collect()  # the snapshot must see their writes; may fall back
+                    if self.mode != Mode.SKIP:
+                        return
+                self.snap = self.snapshot().take()
+                s.counters.commit_snapshots += 1
+            self.exe.put_commit()
+        self.committed = True
+        if final:
+            self.run.committed = True
 
     def wait_run(self) -> None:
         """Wait for this iteration's run to end, at its path's last op, where that op runs
@@ -218,6 +246,9 @@ class Iteration(IterationEnd):
             if self.mode != Mode.SKIP:
                 return
         if not self.exe.waits_at_end:
+            return
+        self.commit(final=False)
+        if self.mode != Mode.SKIP:
             return
         with s.internal():
             self.start_graph()
@@ -250,6 +281,10 @@ class Iteration(IterationEnd):
             if self.mode == Mode.SKIP:
                 exe = self.exe
                 if exe.fetchable(ref) and ref not in self.fetched:
+                    if exe.needs_commit(ref) and not self.committed:
+                        self.commit(final=False)
+                        if self.mode != Mode.SKIP:
+                            return self.resolve(ref)
                     self.start_graph()
                     t = time.perf_counter()
                     try:

@@ -125,10 +125,14 @@ class IterationEnd:
                                          f"%{missing[0].record} kept by the program",
                                          self.runner.pos, "value kept past the iteration"))
                 return
+            self.commit(final=True)  # the iteration ended on its path
             self.exe.leave_unread(self.fetched)
             self.runner.placeholders = {}
             s.inflight.add(self)
             s.counters.overlapped_iterations += 1
+            return
+        self.commit(final=False)  # (a value kept past the iteration still falls back below)
+        if self.mode != Mode.SKIP:
             return
         with s.internal():
             self.start_graph()

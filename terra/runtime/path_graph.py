@@ -73,15 +73,19 @@ class PathGraph:
         as one element of one channel (a shape group's constants); `derived`: feed slots the
         graph computes from shapes (`LoweredPath.derived`)."""
         self.path = path
+        commit = CONFIG.commit_writes
         lowered = LoweredPath(path.trace, skip_fetch_points(path), path.liveouts, CONFIG.xla,
-                              bundled=bundled, derived=derived)
+                              bundled=bundled, derived=derived, commit=commit)
         if unknown is None:
             unknown = frozenset(r for r, s in lowered.shapes.items() if not s.is_fully_defined())
         gates = _unit_shape_checks(path, unknown)
         if gates:
             lowered = LoweredPath(path.trace, skip_fetch_points(path), path.liveouts, CONFIG.xla,
-                                  gates, bundled, derived)
+                                  gates, bundled, derived, commit)
         self.gate_channels = lowered.gate_channels
+        # the writes wait for Python's commit (None: a snapshot before every run instead)
+        self.commit_channel = lowered.commit_channel
+        self.commit_dependent = lowered.commit_dependent
         self.feed_channels = lowered.feed_channels
         self.bundled = lowered.bundled
         self.fetch_channels = lowered.fetch_channels
@@ -122,7 +126,8 @@ class PathGraph:
         feeds were all consumed and only the fetches Python did not take are left. Only when no
         run of this graph is pending or running."""
         if fetched is None:
-            for ch in (*dict.fromkeys(self.feed_channels), *self.gate_channels.values()):
+            for ch in (*dict.fromkeys(self.feed_channels), *self.gate_channels.values(),
+                       self.commit_channel):
                 if ch is not None and ch.size():
                     ch.drain()
         for ref, ch in self.fetch_channels.items():
