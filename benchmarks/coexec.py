@@ -4,11 +4,14 @@ and without: `overlap_iterations=False`) vs Terra "lazy evaluation".
     python -m benchmarks.coexec [--steps 30] [--warmup 8] [--quick] [--repeats 1]
 
 Two programs written as eager training loops: a CNN (batch 32, 32x32x3, four conv layers) and a
-small transformer encoder. All variants run in the same process, one after another (each from a
-fresh `terra.reset()`); `--repeats N` runs that sequence N times and pools the steps, so load
-changes on the shared machine hit every variant alike. Reports medians and spread (p10/p90) of per-step
-wall time after warm-up, Terra's stats (traces, fallbacks, stalls), and the cost of the
-per-iteration variable snapshot. Writes benchmarks/results/coexec.json and coexec.md.
+small transformer encoder. All variants run in the same process: eager, tf.function and Terra
+(default settings) take turns, a chunk of steps each, so their ratios come from the same minutes
+on the shared machine; then Terra without overlap and Terra lazy, one after another (each from a
+fresh `terra.reset()`: they change Terra's settings). `--repeats N` does that N times and pools
+the steps. Reports medians and spread (p10/p90) of per-step wall time after warm-up, Terra's
+stats (traces, fallbacks, stalls), and the cost of the variable snapshot a run takes where its
+graph's writes cannot wait for the commit (terra/compiler/commit.py). Writes
+benchmarks/results/coexec.json and coexec.md.
 """
 from __future__ import annotations
 
@@ -104,9 +107,73 @@ def variant(name, builder):
     return step, (x, y), model, opt
 
 
+INTERLEAVED = ("eager", "tf.function", "terra")  # side by side, in chunks of CHUNK steps
+CHUNK = 10
+
+
+def _record(times, warm_s, steps):
+    return {"median_ms": 1e3 * float(np.median(times)),
+            "p10_ms": 1e3 * float(np.percentile(times, 10)),
+            "p90_ms": 1e3 * float(np.percentile(times, 90)), "min_ms": 1e3 * float(np.min(times)),
+            "warmup_s": warm_s, "steps": steps, "times_ms": [1e3 * t for t in times]}
+
+
+def _snapshot_ms(model, opt):
+    """What the variable snapshot a run without commit-gated writes takes costs (eager call)."""
+    vars_ = [v.value if hasattr(v, "value") and not isinstance(v, tf.Variable) else v
+             for v in list(model.variables) + list(opt.variables)]
+    snap = Snapshot([getattr(v, "_value", v) for v in vars_])
+    snap.take()
+    t = time.perf_counter()
+    for _ in range(10):
+        snap.take()
+    return 1e3 * (time.perf_counter() - t) / 10
+
+
+def run_interleaved(prog, steps, warmup):
+    """eager, tf.function and Terra (default settings) side by side: each warms up, then they
+    take turns, CHUNK steps at a time, so that load changes on the shared machine hit all three
+    alike and their ratios come from the same minutes (Terra's iteration is ended after each of
+    its chunks)."""
+    builder = PROGRAMS[prog]
+    terra.reset()
+    made = {name: variant(name, builder) for name in INTERLEAVED}
+    warm, times = {}, {name: [] for name in INTERLEAVED}
+    for name, (step, (x, y), _, _) in made.items():
+        t = time.perf_counter()
+        for _ in range(warmup):
+            float(step(x, y))
+        terra.end_iteration()
+        warm[name] = time.perf_counter() - t
+    before = terra.stats()
+    done = 0
+    while done < steps:
+        n = min(CHUNK, steps - done)
+        for name, (step, (x, y), _, _) in made.items():
+            for _ in range(n):
+                t = time.perf_counter()
+                float(step(x, y))  # every variant materializes the loss once per step
+                times[name].append(time.perf_counter() - t)
+            if name == "terra":
+                terra.end_iteration()
+        done += n
+    after = terra.stats()
+    out = {name: _record(times[name], warm[name], steps) for name in INTERLEAVED}
+    out["terra"]["stats"] = {k: (after[k] - before[k] if isinstance(after[k], (int, float))
+                                 else after[k]) for k in after}
+    out["terra"]["stats_total"] = after
+    _, _, model, opt = made["terra"]
+    out["terra"]["snapshot_ms"] = _snapshot_ms(model, opt)
+    for name, rec in out.items():
+        print(f"  {prog:12s} {name:14s} median {rec['median_ms']:8.2f} ms  "
+              f"p10 {rec['p10_ms']:8.2f}  p90 {rec['p90_ms']:8.2f}", flush=True)
+    terra.reset()
+    return out
+
+
 def run_rounds(prog, names, steps, warmup):
-    """Each variant runs `warmup` then `steps` steps, round-robin in chunks so that load changes
-    on the shared machine affect every variant alike."""
+    """Each of `names` runs `warmup` then `steps` steps, one after another (each from a fresh
+    `terra.reset()`: these change Terra's settings)."""
     builder = PROGRAMS[prog]
     out = {}
     for name in names:
@@ -127,22 +194,11 @@ def run_rounds(prog, names, steps, warmup):
             times.append(time.perf_counter() - t)
         after = terra.stats()
         terra.end_iteration()
-        rec = {"median_ms": 1e3 * float(np.median(times)), "p10_ms": 1e3 * float(np.percentile(times, 10)),
-               "p90_ms": 1e3 * float(np.percentile(times, 90)), "min_ms": 1e3 * float(np.min(times)),
-               "warmup_s": warm_s, "steps": steps, "times_ms": [1e3 * t for t in times]}
+        rec = _record(times, warm_s, steps)
         if name.startswith("terra"):
             rec["stats"] = {k: (after[k] - before[k] if isinstance(after[k], (int, float)) else after[k])
                             for k in after}
             rec["stats_total"] = after
-        if name == "terra":
-            vars_ = [v.value if hasattr(v, "value") and not isinstance(v, tf.Variable) else v
-                     for v in list(model.variables) + list(opt.variables)]
-            snap = Snapshot([getattr(v, "_value", v) for v in vars_])
-            snap.take()
-            t = time.perf_counter()
-            for _ in range(10):
-                snap.take()
-            rec["snapshot_ms"] = 1e3 * (time.perf_counter() - t) / 10
         out[name] = rec
         print(f"  {prog:12s} {name:14s} median {rec['median_ms']:8.2f} ms  "
               f"p10 {rec['p10_ms']:8.2f}  p90 {rec['p90_ms']:8.2f}", flush=True)
@@ -168,8 +224,9 @@ def pool(recs):
 def markdown(results, meta) -> str:
     lines = ["# Co-execution benchmark (benchmarks/coexec.py)", "",
              f"{meta['machine']}; TF {meta['tf']}; {meta['steps']} timed steps per variant after "
-             f"{meta['warmup']} warm-up steps, in {meta.get('repeats', 1)} repeat(s) of the "
-             f"variant sequence; one process, variants run one after another.", "",
+             f"{meta['warmup']} warm-up steps, in {meta.get('repeats', 1)} repeat(s); one "
+             f"process; eager, tf.function and terra take turns, {CHUNK} steps at a time (their "
+             f"ratios come from the same minutes), the other variants run after them.", "",
              "| program | variant | median ms | p10 | p90 | vs eager | vs tf.function |",
              "|---|---|---|---|---|---|---|"]
     for prog, res in results.items():
@@ -212,10 +269,12 @@ def main(argv=None):
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.quick:
         args.steps, args.warmup = 10, 5
-    names = ["eager", "tf.function", "terra", "terra (no overlap)", "terra (lazy)"]
+    names = list(INTERLEAVED) + ["terra (no overlap)", "terra (lazy)"]
     results = {}
     for prog in args.programs.split(","):
-        runs = [run_rounds(prog, names, args.steps, args.warmup) for _ in range(args.repeats)]
+        runs = [{**run_interleaved(prog, args.steps, args.warmup),
+                 **run_rounds(prog, names[len(INTERLEAVED):], args.steps, args.warmup)}
+                for _ in range(args.repeats)]
         results[prog] = {name: pool([r[name] for r in runs]) for name in names}
     meta = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "tf": tf.__version__,
             "steps": args.steps * args.repeats, "warmup": args.warmup,
