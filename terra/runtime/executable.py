@@ -15,6 +15,8 @@ The iteration (terra/runtime/iteration.py) holds one and never asks which it is.
 """
 from __future__ import annotations
 
+import tensorflow as tf
+
 from terra.runtime.placeholders import Placeholder
 
 
@@ -128,6 +130,16 @@ class Executable:
         return index
 
 
+_TOKEN = []
+
+
+def _token():
+    """The gate and commit token, one eager tensor made once (not a conversion per put)."""
+    if not _TOKEN:
+        _TOKEN.append(tf.constant(True))
+    return _TOKEN[0]
+
+
 def materialized(value):
     return value._terra_materialize() if isinstance(value, Placeholder) else value
 
@@ -187,7 +199,7 @@ class PathRun(Executable):
         ch = self.graph.gate_channels.get(start)
         if ch is None:
             return False
-        ch.put(True)
+        ch.put(_token())
         return True
 
     def gated(self, start: int) -> bool:
@@ -199,7 +211,7 @@ class PathRun(Executable):
 
     def put_commit(self) -> None:
         self.put_any = True
-        self.graph.commit_channel.put(True)
+        self.graph.commit_channel.put(_token())
 
     def needs_commit(self, ref) -> bool:
         return ref in self.graph.commit_dependent
