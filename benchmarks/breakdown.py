@@ -107,6 +107,21 @@ def terra_grappler(config):
     opts.remapping = rewriter_config_pb2.RewriterConfig.OFF
 
 
+def queue_runs(path, graph, n) -> None:
+    """Put everything `n` runs of `graph` dequeue, as Python puts it for `path`: its feeds, its
+    shape constants, and the tokens Python puts once it has checked a unit or ended the
+    iteration (a run would wait for a missing one forever)."""
+    for _ in range(n):
+        for slot, ch in enumerate(graph.feed_channels):
+            if slot not in graph.bundled and ch is not None:
+                ch.put(path.trace.feed_values[slot])
+        if graph.bundled:
+            graph.feed_channels[graph.bundled[0]].put(path.group_tensors)
+        for ch in (*graph.gate_channels.values(), graph.commit_channel):
+            if ch is not None:
+                ch.put(True)
+
+
 def graph_alone(steps, mutate=None):
     """Call the compiled path's generated graph `steps` times back to back, feeds pre-queued;
     `mutate` changes the ConfigProto of the calls (None: TF's default Grappler)."""
@@ -121,12 +136,7 @@ def graph_alone(steps, mutate=None):
     path = max(paths, key=lambda p: p.hits)
     graph = path.graph
     fn = graph.function_for(path)
-    for _ in range(steps + 1):
-        for slot, ch in enumerate(graph.feed_channels):
-            if slot not in graph.bundled and ch is not None:
-                ch.put(path.trace.feed_values[slot])
-        if graph.bundled:
-            graph.feed_channels[graph.bundled[0]].put(path.group_tensors)
+    queue_runs(path, graph, steps + 1)
     fn()  # first call: any instantiation left
     times = []
     for _ in range(steps):
