@@ -49,6 +49,9 @@ class Config:
     max_trace_ops: recording stops (site treated as unsupported) beyond this many ops.
     layer_units: match calls of Keras' built-in layers, loss objects and plain Sequential /
         functional models of built-in layers as one guarded unit each.
+    user_layer_units: also match a call of a user-defined layer or model as one unit where its
+        Python, watched while traced, only computed (terra/tracing/purity.py); needs
+        `layer_units`.
     background_builds: build a path's graph on a builder thread while the program goes on
       (its iterations run as before it was compiled until the graph is installed, at the next
       iteration boundary). Off by default: graph construction is Python and holds the GIL, so
@@ -83,6 +86,7 @@ class Config:
     verbose: int = 0
     max_trace_ops: int = 50000
     layer_units: bool = True
+    user_layer_units: bool = True
     site_graph: bool = False
     background_builds: bool = False
     shape_groups: bool = True
@@ -93,7 +97,8 @@ CONFIG = Config()
 
 _CHECKS = {
     "enabled": (bool,), "coexecution": (bool,), "overlap_iterations": (bool,), "xla": (bool,), "grappler": (bool,),
-    "arithmetic_optimizer": (bool,), "remapper": (bool,), "constant_folding": (bool,), "layer_units": (bool,), "site_graph": (bool,),
+    "arithmetic_optimizer": (bool,), "remapper": (bool,), "constant_folding": (bool,), "layer_units": (bool,),
+    "user_layer_units": (bool,), "site_graph": (bool,),
     "background_builds": (bool,), "shape_groups": (bool,), "commit_writes": (bool,),
     "max_traces": (int,), "max_fallbacks": (int,), "verbose": (int,), "max_trace_ops": (int,),
     "timeout_s": (int, float),

@@ -17,7 +17,8 @@ from terra.runtime.placeholders import Placeholder
 from terra.runtime.divergence import PAST_END, Diverged, Divergence, DivergenceKind, user_line
 from terra.runtime.path_view import GradUnit
 from terra.runtime.python_runner import placeholder_ref
-from terra.tracing import hook
+from terra.runtime import layer_guards
+from terra.tracing import hook, purity
 
 
 def guard_ref(session, it, x):
@@ -153,17 +154,6 @@ def apply_gradients(session, opt, original, grads_and_vars):
                                     reads=tuple(reads))
     return result
 
-def _settings(layer) -> tuple:
-    """The plain Python settings of a layer, model or loss (what a unit's guard checks), less
-    the state Keras' own training loops keep on a model."""
-    skip = tfp.KERAS_LOOP_STATE
-    return tuple([(k, v) for k, v in vars(layer).items()
-                  if isinstance(v, _PLAIN) and k not in skip])
-
-
-_PLAIN = (bool, int, float, str, type(None))
-
-
 def _data_feed(rec, x):
     """The feed a NumPy array passed straight to a unit became inside it (its conversion's
     feed holds the array itself), or None."""
@@ -205,26 +195,33 @@ def layer_call(session, layer, original, args, kwargs, loss=False):
     """A built-in Keras layer call, a call of a plain Sequential or functional model made of
     built-in layers, or (`loss`) of a built-in Keras loss object, as one coarse unit (guarded on
     the object, its plain Python settings and, for a model, each of its layers and theirs,
-    whether a tape records, the inputs' producers and plain arguments; data handed straight to it, an array or a tensor no
-    recorded op made (the ids a functional model converted for its Embedding), is fed when the
-    unit is skipped). User-defined layers and models run op by op: their Python may do
-    anything."""
+    whether a tape records, the inputs' producers and plain arguments; data handed straight to
+    it, an array or a tensor no recorded op made (the ids a functional model converted for its
+    Embedding), is fed when the unit is skipped). A user-defined layer or model is a unit where
+    its Python only computed while traced (user_units.py); its layers are units of their own
+    too, for the iterations where its guard fails."""
     it = session.iteration
     if it is None or it.mode not in ON_PATH or session.layer_depth or \
             not (loss or getattr(layer, "built", False)):
         return original(layer, *args, **kwargs)
     model = not loss and not type(layer).__module__.startswith(tfp.KERAS_BUILTIN_LAYER_MODULES)
+    user = False
     if loss:
         settings = tfp.keras_loss_settings(layer)
         if settings is None:
             return original(layer, *args, **kwargs)
-    elif not model:
-        settings = _settings(layer)
     else:
-        inner = tfp.keras_builtin_model_layers(layer)
-        if inner is None:
-            return original(layer, *args, **kwargs)
-        settings = (_settings(layer),) + tuple((id(x), _settings(x)) for x in inner)
+        settings = layer_guards.builtin_settings(layer, model)
+        if settings is None:  # a user-defined layer or model
+            if not CONFIG.user_layer_units:
+                return original(layer, *args, **kwargs)
+            user, read = True, None
+            if it.mode == Mode.SKIP:  # no unit of this layer here: no guard to compute
+                unit = it.runner.view.units.get(it.runner.pos)
+                if unit is None or unit.guard[0] != id(layer):
+                    return original(layer, *args, **kwargs)
+                read = unit.guard[1][1][1]  # the containers its traced Python read
+            settings = layer_guards.user_settings(layer, read)
     # a call inside `stop_recording()` records no op: another unit than the recorded call
     settings = (tfp.tapes_recording(), settings)
     flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True)
@@ -271,12 +268,18 @@ def layer_call(session, layer, original, args, kwargs, loss=False):
     flat = [x._terra_materialize() if isinstance(x, Placeholder) else x for x in flat]
     guard = (id(layer), settings) + tuple(guard_of(x) for x in flat)
     start = len(rec.trace.records)
-    session.layer_depth += 1
+    depth = 0 if user else 1  # a user layer's layers are units of their own as well
+    session.layer_depth += depth
     try:
-        with _unit_python(rec) as reads:
+        with _unit_python(rec) as reads, \
+                (purity.watch(layer_guards.forced_codes(layer)) if user
+                 else contextlib.nullcontext()) as watched:
             result = original(layer, *args, **kwargs)
     finally:
-        session.layer_depth -= 1
+        session.layer_depth -= depth
+    if user:  # the containers its Python may have read: compared afresh every time
+        settings = (settings[0], layer_guards.user_settings(
+            layer, layer_guards.read_containers(layer, watched.attributes)))
     if data:  # after the call: data passed straight to it is a feed now
         guard = (id(layer), settings) + tuple(_data_feed(rec, x) or guard_of(x) for x in flat)
     with _terra_reads(it):
@@ -287,6 +290,8 @@ def layer_call(session, layer, original, args, kwargs, loss=False):
               and all(r is not None for r in refs)
               and not any(hasattr(t, "_keras_mask") for t in outs)
               and not rec.too_long and len(rec.trace.records) > start)
+    if usable and user:
+        usable = layer_guards.impurity(watched, layer) is None
     if usable:
         rec.units[start] = GradUnit(start, len(rec.trace.records), guard, tuple(refs),
                                     structure=structure, reads=tuple(reads))

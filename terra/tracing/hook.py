@@ -317,6 +317,39 @@ def _wrap_unit(kind):
     return factory
 
 
+_layer_epoch = 0
+
+
+def layer_epoch() -> int:
+    """A count of the changes made to Keras layers' attributes through `Layer.__setattr__` /
+    `__delattr__` (a set to the value already there is no change: Keras sets `built` and
+    `_called` on every call). Guards of layer units computed at one epoch hold while it lasts
+    (runtime/layer_guards.py)."""
+    return _layer_epoch
+
+
+_SAME_IF_EQUAL = (bool, int, float, str, type(None))
+
+
+def _wrap_layer_setattr(orig):
+    def __setattr__(self, name, value):
+        global _layer_epoch
+        old = self.__dict__.get(name, _ABSENT)
+        if old is not value and not (type(old) is type(value) and
+                                     isinstance(value, _SAME_IF_EQUAL) and old == value):
+            _layer_epoch += 1
+        return orig(self, name, value)
+    return __setattr__
+
+
+def _wrap_layer_delattr(orig):
+    def __delattr__(self, name):
+        global _layer_epoch
+        _layer_epoch += 1
+        return orig(self, name)
+    return __delattr__
+
+
 def _do_not_convert(fn):
     import tensorflow as tf
     return tf.autograph.experimental.do_not_convert(fn)
@@ -330,6 +363,8 @@ def _unit_table():
                       _wrap_unit("apply_gradients")))
     if "layer" in keras_classes:
         table.append((keras_classes["layer"], "__call__", _wrap_unit("layer")))
+        table.append((keras_classes["layer"], "__setattr__", _wrap_layer_setattr))
+        table.append((keras_classes["layer"], "__delattr__", _wrap_layer_delattr))
     if "loss" in keras_classes:
         table.append((keras_classes["loss"], "__call__", _wrap_unit("loss")))
     return table

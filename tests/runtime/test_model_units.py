@@ -223,7 +223,7 @@ def test_integer_labels_a_loss_converts_are_fed_to_the_loss_unit(monkeypatch):
 def train_embedding_model(Tape, steps=8):
     keras.utils.set_random_seed(7)
     inp = keras.layers.Input((5,), dtype="int32")
-    h = Scale()(keras.layers.Embedding(12, 4)(inp))  # a user-defined layer: no model unit
+    h = Scale()(keras.layers.Embedding(12, 4)(inp))  # a user-defined layer
     model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(h)))
     opt = keras.optimizers.SGD(0.05)
     rng = np.random.default_rng(4)
@@ -238,10 +238,13 @@ def train_embedding_model(Tape, steps=8):
     return losses, [v.numpy().tolist() for v in model.variables]
 
 
-def test_a_tensor_the_model_converted_is_fed_to_the_embedding_unit(monkeypatch):
+@pytest.mark.parametrize("user_units", [False, True])
+def test_a_tensor_the_model_converted_is_fed_to_the_embedding_unit(monkeypatch, user_units):
     """The functional model converts the NumPy ids to a tensor and hands it to its Embedding:
     an external tensor, fed when the Embedding unit is skipped (before, the layer's guard named
-    it by object, which is new every step, so the unit was never usable)."""
+    it by object, which is new every step, so the unit was never usable). With user-defined
+    layers as units, the model (its Scale layer only computes) is one unit, fed the same way."""
+    terra.config(user_layer_units=user_units)
     from terra.runtime.python_runner import PythonRunner
     matched = []
     original = PythonRunner._skip
@@ -256,6 +259,8 @@ def test_a_tensor_the_model_converted_is_fed_to_the_embedding_unit(monkeypatch):
         got = train_embedding_model(tf.TerraGradientTape)
     assert got == eager, terra.explain()
     c.assert_counts(traces=3, graph_builds=1, fallbacks=0)
-    # in a compiled iteration only the ops outside built-in layers are matched one by one:
-    # Scale's Mul, then the loss's Pow (on TF's fast route, then its slow one) and Mean
-    assert matched == ["Mul", "Pow", "Pow", "Mean"], matched
+    # in a compiled iteration only the ops outside units are matched one by one: Scale's Mul
+    # (unless the model is a unit), then the loss's Pow (on TF's fast route, then its slow
+    # one) and Mean
+    assert matched == ["Pow", "Pow", "Mean"] if user_units else \
+        ["Mul", "Pow", "Pow", "Mean"], matched
