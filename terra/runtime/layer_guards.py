@@ -21,7 +21,7 @@ from typing import Optional
 from terra import _tf_private as tfp
 from terra.tracing import hook, purity
 
-__all__ = ["builtin_settings", "user_settings", "read_containers", "forced_codes",
+__all__ = ["builtin_settings", "user_settings", "read_containers", "forced_codes", "denied_codes",
            "impurity", "layers_of"]
 
 _cache: dict = {}
@@ -135,12 +135,22 @@ def forced_codes(layer) -> list:
     return out
 
 
+def denied_codes() -> list:
+    """Keras code whose effect a skipped call would lose, even where trusted code runs it: a
+    loss added in the call (`model.losses` is read after it)."""
+    layer = tfp.keras_unit_classes().get("layer")
+    add_loss = getattr(layer, "add_loss", None)
+    return [add_loss.__code__] if isinstance(add_loss, types.FunctionType) else []
+
+
 def _inert(v) -> bool:
     """A value that needs no guard of its own: a layer (guarded itself), a variable (read by
     ops), a tensor (guarded by identity), a function, class or module, or an object of Keras or
     TF."""
     if isinstance(v, (types.FunctionType, types.MethodType, types.BuiltinFunctionType, type,
                       types.ModuleType, tfp.Tensor, tfp.BaseResourceVariable)):
+        return True
+    if isinstance(v, tfp.keras_unit_classes().get("layer", ())):  # guarded in `layers_of`
         return True
     return type(v).__module__.startswith(("keras.", "tensorflow.", "tf_keras."))
 

@@ -72,6 +72,7 @@ class Session:
         self._warned: set = set()
         self.internal_depth = 0
         self.layer_depth = 0
+        self.variable_guards: dict = {}  # units.variable_guards' cache
         self.owner: int | None = None    # the thread whose tapes Terra runs (threading ident)
         self._foreign_warned: set = set()
         self.tape_functions: dict = {}   # forward function name -> TapeRecordedFunction

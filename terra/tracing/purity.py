@@ -134,10 +134,11 @@ class Watch:
     """The verdict of one watched call: `reason` is None while it stayed pure; `attributes`
     holds the attribute names the checked code loads."""
 
-    def __init__(self, forced_codes=()):
+    def __init__(self, forced_codes=(), denied_codes=()):
         self.reason: Optional[str] = None
         self.attributes: set = set()
         self._forced = frozenset(forced_codes)
+        self._denied = frozenset(denied_codes)
         self._trust: dict = {}  # id(frame) -> trusted, for frames entered while watched
         self._trusted, self._library = _trusted_dirs()
 
@@ -156,6 +157,8 @@ class Watch:
         if event == "call":
             code = frame.f_code
             f = code.co_filename
+            if code in self._denied:
+                return self._fail(f"calls {code.co_qualname}")
             if code in self._forced:
                 trusted = False
             elif f.startswith(self._trusted):
@@ -195,13 +198,14 @@ _ACTIVE: list = []  # the watches open on this thread, innermost last
 
 
 class watch:
-    """`with watch(codes) as w:` runs its body under the purity profile hook (codes: code
-    objects checked wherever they run). Watches nest (a user layer inside a user layer): the
+    """`with watch(forced, denied) as w:` runs its body under the purity profile hook (forced:
+    code objects checked wherever they run; denied: code objects that make the call impure
+    wherever they run, trusted code's included: Keras' `add_loss`). Watches nest (a user layer inside a user layer): the
     inner one's verdict counts for the outer one too. Where another profiler is installed
     (cProfile), nothing is watched and `w.reason` says so."""
 
-    def __init__(self, forced_codes=()):
-        self.w = Watch(forced_codes)
+    def __init__(self, forced_codes=(), denied_codes=()):
+        self.w = Watch(forced_codes, denied_codes)
         self._on = False
 
     def __enter__(self) -> Watch:

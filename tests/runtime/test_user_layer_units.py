@@ -198,6 +198,40 @@ def test_a_global_the_layer_reads_changes_between_steps():
     assert c.traces >= 3
 
 
+def test_a_layer_that_adds_a_loss_is_not_a_unit():
+    """Keras' `add_loss` is trusted code, but a skipped call would leave `model.losses`
+    without the loss the program adds to its own."""
+    class Penalized(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.d = keras.layers.Dense(4)
+
+        def call(self, x):
+            y = self.d(x)
+            self.add_loss(0.01 * tf.reduce_sum(y ** 2))
+            return y
+
+    def run(Tape, steps=6):
+        keras.utils.set_random_seed(0)
+        inp = keras.layers.Input((4,))
+        model = keras.Model(inp, keras.layers.Dense(1)(Penalized()(inp)))
+        opt = keras.optimizers.SGD(0.05)
+        x = np.random.default_rng(2).normal(size=(8, 4)).astype(np.float32)
+        losses = []
+        for _ in range(steps):
+            with Tape() as tape:
+                loss = tf.reduce_mean(model(x, training=True) ** 2) + tf.add_n(model.losses)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            losses.append(float(loss))
+        return losses, [v.numpy().tolist() for v in model.variables]
+    eager = run(tf.GradientTape)
+    with CompileCounter() as c:
+        got = run(tf.TerraGradientTape)
+    assert got == eager, terra.explain()
+    c.assert_counts(traces=3, graph_builds=1, fallbacks=0)
+
+
 def test_a_layer_reading_an_object_attribute_is_not_a_unit():
     class Settings:
         scale = 1.0

@@ -229,3 +229,31 @@ def test_unit_patches_are_in_the_table_and_reset_restores_them():
     terra.reset()
     assert all(hook._raw(*k) is before[k] for k in owners)
     assert not hook.installed()
+
+
+def test_layer_attribute_changes_advance_the_layer_epoch():
+    """Keras' own `Layer.__setattr__` / `__delattr__` are what the hook wraps (the guards of
+    layer units are kept while the epoch stands: runtime/layer_guards.py); a set to the value
+    already there (Keras sets `built` and `_called` on every call) is no change."""
+    layer_cls = tfp.keras_unit_classes()["layer"]
+    assert "__setattr__" in vars(layer_cls) and "__delattr__" in vars(layer_cls)
+    assert (layer_cls, "__setattr__") in set(hook.patched_attributes())
+    hook.install()
+    try:
+        d = keras.layers.Dense(2)
+        e = hook.layer_epoch()
+        d.units, d.built = 2, d.built
+        assert hook.layer_epoch() == e
+        d.units = 3
+        assert hook.layer_epoch() == e + 1
+        d.extra = [1]  # (Keras' tracking sets attributes of its own on the way)
+        assert hook.layer_epoch() > e + 1
+        e = hook.layer_epoch()
+        del d.extra
+        assert hook.layer_epoch() > e
+        d(np.ones((1, 4), np.float32))
+        e = hook.layer_epoch()
+        d(np.ones((1, 4), np.float32))  # a call of a built layer changes nothing
+        assert hook.layer_epoch() == e
+    finally:
+        hook.uninstall()
