@@ -322,8 +322,8 @@ _layer_epoch = 0
 
 def layer_epoch() -> int:
     """A count of the changes made to Keras layers' attributes through `Layer.__setattr__` /
-    `__delattr__` (a set to the value already there is no change: Keras sets `built` and
-    `_called` on every call). Guards of layer units computed at one epoch hold while it lasts
+    `__delattr__` while the hook is installed, and of installs (a set to the value already
+    there is no change: Keras sets `built` and `_called` on every call). Guards of layer units computed at one epoch hold while it lasts
     (runtime/layer_guards.py)."""
     return _layer_epoch
 
@@ -411,10 +411,11 @@ def patched_attributes() -> list:
 
 def install() -> None:
     """Patch TF (reference counted: nested installs are cheap, the last uninstall restores)."""
-    global _installs
+    global _installs, _layer_epoch
     _installs += 1
     if _installs > 1:
         return
+    _layer_epoch += 1  # changes made while uninstalled went uncounted
     for owner, attr, factory in _patch_table():
         orig = _raw(owner, attr)
         _originals[(owner, attr)] = orig

@@ -238,8 +238,13 @@ def test_layer_attribute_changes_advance_the_layer_epoch():
     layer_cls = tfp.keras_unit_classes()["layer"]
     assert "__setattr__" in vars(layer_cls) and "__delattr__" in vars(layer_cls)
     assert (layer_cls, "__setattr__") in set(hook.patched_attributes())
-    hook.install()
+    import terra
+    terra.reset()
+    assert not hook.installed()
+    e = hook.layer_epoch()
+    hook.install()  # what changed while it was not installed went uncounted
     try:
+        assert hook.layer_epoch() == e + 1
         d = keras.layers.Dense(2)
         e = hook.layer_epoch()
         d.units, d.built = 2, d.built
