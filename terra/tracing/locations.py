@@ -26,6 +26,7 @@ stack is interned: one dict lookup maps a (code, offset, iterations) key to a sh
 """
 from __future__ import annotations
 
+import atexit
 import dis
 import os
 import sys
@@ -283,6 +284,17 @@ def _global_trace(frame, event, arg, _get=_traced.get, _missing=_traced):
         if info is None:
             return None
     return frame.f_trace or FrameLoops(info).tracer
+
+
+@atexit.register
+def _stop_tracking_at_exit() -> None:
+    # A program that ends inside a recorded iteration (its last step is only known to be over
+    # at the next tape entry) would keep the trace function on while the interpreter tears
+    # down modules: every frame run then (weakref callbacks, finalizers) would call into a
+    # half-finalized module and print "Exception ignored". Atexit runs on the main thread,
+    # where such an iteration records.
+    if sys.gettrace() is _global_trace:
+        sys.settrace(None)
 
 
 def pause_tracking():

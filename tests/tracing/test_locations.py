@@ -166,3 +166,30 @@ def test_without_line_tracing_loops_are_counted_at_op_time():
     # Passes that issue ops are still told apart; the op-less passes 1 and 2 are not counted.
     assert [_iters(l) for l in _locs(rec.trace, "AddV2")] == [(0,), (1,)]
     assert sys.gettrace() is None
+
+
+def test_loop_tracking_is_off_when_the_interpreter_exits_inside_an_iteration():
+    """A program whose last step is still being recorded at exit (its end is only known at the
+    next tape entry) must not leave the trace function on while modules are torn down."""
+    import subprocess
+    import textwrap
+    script = textwrap.dedent("""
+        import atexit, sys
+        atexit.register(lambda: print("trace at exit:", sys.gettrace()))  # runs after Terra's
+        import numpy as np, tensorflow as tf, terra
+        w = tf.Variable(np.ones((3, 3), "float32"))
+        for step in range(2):
+            with tf.TerraGradientTape() as tape:
+                total = 0.0
+                for k in range(2):  # a user loop: its frame is line-traced while recording
+                    total += tf.reduce_sum(w * k)
+            w.assign_sub(0.1 * tape.gradient(total, w))
+        print("tracing after the loop:", sys.gettrace() is not None)
+    """)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=os.getcwd())
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "tracing after the loop: True" in out.stdout, out.stdout
+    assert "trace at exit: None" in out.stdout, out.stdout
+    assert "Exception ignored" not in out.stderr, out.stderr[-3000:]
