@@ -22,7 +22,11 @@ Two signals, each exact for what it covers:
 
 Frames of Terra itself are left out; tracing is paused while Terra's own code runs. Frames of TF
 and Keras are kept (their loops are what tells two Sequential layers' ops apart), and the whole
-stack is interned: one dict lookup maps a (code, offset, iterations) key to a shared `Location`.
+stack is interned frame by frame (`_Key`: one frame's (code, offset, iterations) over the key of
+its callers), so one program point gives one shared `Location`. A walk stops at the first caller
+that has not run since an earlier op (`Locator.location`): consecutive ops of a layer share
+everything above the layer's `call`, and deep Keras / TF stacks are walked once per call, not
+once per op.
 """
 from __future__ import annotations
 
@@ -328,6 +332,9 @@ class Locator:
             self._stop.add(f)
             f = f.f_back
         self._library: dict = {}  # frame -> LibraryFrameLoops (frames held until close)
+        self._memo: dict = {}  # frame -> (offset, child frame, key above), see location()
+        self._generation = _generation
+        self.memo_hits = 0
         self.tracking = False
         if track_loops:
             if sys.gettrace() is not None:
@@ -353,45 +360,101 @@ class Locator:
                 f = f.f_back
         self._stop = set()
         self._library = {}
+        self._memo = {}
 
     def location(self, frame=None) -> Location:
-        """Location of the op issued from `frame` (default: the caller's frame)."""
+        """Location of the op issued from `frame` (default: the caller's frame).
+
+        Consecutive ops mostly share their callers: a frame reached through the same child
+        frame at the same offset as in an earlier walk has not run since (its child, a plain
+        function's frame, was on the stack all along), so neither it nor any frame above it
+        has changed, and the interned key above it is taken from `_memo` instead of walking
+        on. A generator's frame can be resumed from another caller: never a memo hit through
+        one."""
+        global _generation
         f = sys._getframe(1) if frame is None else frame
+        if len(_nodes) > _MAX_LOCATIONS:
+            _nodes.clear()
+            _generation += 1
+        memo = self._memo
+        if self._generation != _generation or len(memo) > _MAX_MEMO:
+            memo.clear()
+            self._generation = _generation
         stop = self._stop
-        key = []
+        walked = []
+        node = None  # the interned key of the frames above the walk
         child = None
         while f is not None:
+            if child is not None and _MEMO:
+                m = memo.get(f)
+                if m is not None and m[1] is child and m[0] == f.f_lasti:
+                    node = m[2]
+                    self.memo_hits += 1
+                    break
             info = _infos.get(f.f_code) or code_info(f.f_code)
+            entry = None
             if not info.internal:
                 lasti = f.f_lasti
                 if not info.loops:
-                    key.append((info, lasti, ()))
+                    entry = (info, lasti, ())
                 elif info.library or not self.tracking:  # op-time pass counting
                     state = self._library.get(f)
                     if state is None:
                         state = self._library[f] = LibraryFrameLoops(
                             info, ignore_at=lasti if f in stop else None)
-                    key.append((info, lasti, state.at(lasti, child)))
+                    entry = (info, lasti, state.at(lasti, child))
                 else:
                     state = getattr(f.f_trace, "__self__", None)
                     iters = state.at(lasti) if isinstance(state, FrameLoops) else ()
-                    key.append((info, lasti, iters))
+                    entry = (info, lasti, iters)
+            walked.append((f, child, entry))
             if f in stop:
                 break
             child = f
             f = f.f_back
-        key = tuple(key)
-        loc = _locations.get(key)
+        for f, child, entry in reversed(walked):
+            if entry is not None:
+                k = (entry, node)
+                n = _nodes.get(k)
+                if n is None:
+                    n = _nodes[k] = _Key(entry, node)
+                node = n
+            if child is not None and not child.f_code.co_flags & _RESUMABLE:
+                memo[f] = (f.f_lasti, child, node)
+        if node is None:
+            return _EMPTY
+        loc = node.location
         if loc is None:
-            if len(_locations) > _MAX_LOCATIONS:
-                _locations.clear()
-            loc = _locations[key] = _build(key)
+            loc = node.location = _build(node.entries())
         return loc
 
 
+class _Key:
+    """An interned location key: one frame's (info, offset, iterations) and the key of the
+    frames above it (None at the root). Equal keys are the same object, so a lookup hashes one
+    entry, not the whole stack."""
+    __slots__ = ("entry", "parent", "location")
+
+    def __init__(self, entry, parent):
+        self.entry, self.parent, self.location = entry, parent, None
+
+    def entries(self) -> list:
+        """The frames' entries, op frame first (as `_build` takes them)."""
+        out, k = [], self
+        while k is not None:
+            out.append(k.entry)
+            k = k.parent
+        return out
+
+
 # Interned across recordings: the same program point gives the same `Location` object.
-_locations: dict = {}
+_nodes: dict = {}  # (entry, parent key) -> _Key
 _MAX_LOCATIONS = 1 << 18
+_generation = 0    # bumped when _nodes is cleared: memos hold keys of the old generation
+_MAX_MEMO = 4096   # frames a Locator's memo holds alive at most
+_MEMO = True       # False: walk every frame (tests compare both)
+_RESUMABLE = 0x20 | 0x80 | 0x200  # CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR
+_EMPTY = Location((), ())
 _frame_labels: dict = {}
 
 

@@ -193,3 +193,59 @@ def test_loop_tracking_is_off_when_the_interpreter_exits_inside_an_iteration():
     assert "tracing after the loop: True" in out.stdout, out.stdout
     assert "trace at exit: None" in out.stdout, out.stdout
     assert "Exception ignored" not in out.stderr, out.stderr[-3000:]
+
+
+def _gen_ops(x, n):
+    for k in range(n):  # a user generator: resumed from the loop below, pass by pass
+        yield tf.sin(x * k)
+
+
+def _fact(x, n):
+    return x if n == 0 else tf.cos(_fact(x, n - 1))
+
+
+def test_memoized_frames_give_the_locations_of_a_full_walk():
+    """Locator.location takes the key of unchanged caller frames from its memo; every op must
+    still get the Location a walk of every frame gives (generators, recursion, user and
+    library loops, a layer called at the same offset pass after pass)."""
+    from terra.tracing import locations
+    seq = keras.Sequential([keras.layers.Dense(4, activation="relu"), keras.layers.Dense(2)])
+    seq(X[None])
+    opt = keras.optimizers.SGD(0.1)
+
+    def prog():
+        for _ in range(3):
+            y = seq(X[None])
+        total = tf.reduce_sum(y)
+        ts = []
+        for t in _gen_ops(X, 3):  # no op between the generator's passes
+            ts.append(t)
+        total += tf.reduce_sum(tf.stack(ts))
+        n = 0
+        while n < 3:
+            total += tf.reduce_sum(seq(X[None] * n))
+            n += 1
+        total += tf.reduce_sum(_fact(X, 4))
+        total += sum(tf.reduce_sum(seq(X[None] + k)) for k in range(2))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(seq(X[None]))
+        opt.apply_gradients(zip(tape.gradient(loss, seq.trainable_variables),
+                                seq.trainable_variables))
+        return total
+
+    def record(memo):
+        old = locations._MEMO
+        locations._MEMO = memo
+        try:
+            with Recorder() as rec:
+                prog()
+            return [r.location for r in rec.trace.records], rec._locator.memo_hits
+        finally:
+            locations._MEMO = old
+
+    full, no_hits = record(False)
+    memoized, hits = record(True)
+    assert no_hits == 0 and hits > len(full) // 2
+    assert len(memoized) == len(full)
+    assert [i for i, (a, b) in enumerate(zip(memoized, full)) if a is not b] == []
+    assert len(set(map(id, full))) > 20  # the program's ops are at many distinct locations
