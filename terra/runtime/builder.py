@@ -18,6 +18,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+from terra.config import CONFIG
+from terra.tracing.gc_window import widened
+
 __all__ = ["BuildInputs", "Builder", "Job"]
 
 
@@ -77,11 +80,13 @@ class Builder:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="terra-builder")
         inputs = BuildInputs(path)
         job = Job(site, path, inputs, number, Future())
+        young = CONFIG.tracing_gc_threshold
 
         def work():
             t = time.perf_counter()
             try:
-                return build(inputs)
+                with widened(young):
+                    return build(inputs)
             finally:
                 job.seconds = time.perf_counter() - t
 

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from terra.compiler.shapes import unknown_shapes
 from terra.config import CONFIG
+from terra.tracing.gc_window import widened
 from terra.runtime.builder import Builder
 from terra.runtime.fallback import Snapshot, written_variables
 from terra.runtime.path_graph import PathGraph, skip_fetch_points
@@ -47,7 +48,7 @@ class Builds:
         if self.builder.building(path):  # installed (and built again if stale by then) later
             return
         t = time.perf_counter()
-        with self.internal():
+        with self.internal(), widened(CONFIG.tracing_gc_threshold):
             shared = self.reuse(site, path)
             if shared is None and reuse_only:
                 return
@@ -191,7 +192,7 @@ class Builds:
         """(Re)build the graph of shape group `g` from its relaxed trace, fetching what any
         member reads, and put every member on it."""
         t = time.perf_counter()
-        with self.internal():
+        with self.internal(), widened(CONFIG.tracing_gc_threshold):
             gp = g.path
             gp.trace = g.relaxed.trace
             gp.__dict__.pop("static", None)
@@ -309,7 +310,7 @@ class Builds:
                        "(a gate the site graph lacks); paths switch by restarting")
             return
         try:
-            with self.internal():
+            with self.internal(), widened(CONFIG.tracing_gc_threshold):
                 sg = SiteGraph(paths)
         except Exception as e:  # noqa: BLE001 - the PathGraphs still run every path
             site.site_graph_failed = key

@@ -469,7 +469,8 @@ class Iteration(IterationEnd):
                     raise error from None
             self.replayed = env
             bind_placeholders(runner.placeholders, env)
-            rec = ContinuingRecorder(self.site.label, CONFIG.max_trace_ops)
+            rec = ContinuingRecorder(self.site.label, CONFIG.max_trace_ops,
+                                     young_gc=CONFIG.tracing_gc_threshold)
             rec.seed(replay.as_run(), upto, runner.fed, env, runner.placeholders,
                      self.path.units, [f for f in runner.fetch_log if f.ref.record < upto],
                      replay, runner.born)

@@ -244,7 +244,8 @@ class Session:
             return
         site.phase = "tracing"
         it.mode = Mode.TRACING
-        rec = ContinuingRecorder(site.label, CONFIG.max_trace_ops)
+        rec = ContinuingRecorder(site.label, CONFIG.max_trace_ops,
+                                 young_gc=CONFIG.tracing_gc_threshold)
         rec.start(frame)
         it.recorder = rec
 

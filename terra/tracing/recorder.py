@@ -25,6 +25,7 @@ from terra.ir.op_kinds import HOST_OPS
 from terra.ir.records import (ConstRef, Feed, FeedRef, Fetch, OpRecord, OutputRef, TensorSpec,
                               Trace, VariableRef)
 from terra.tracing import hook
+from terra.tracing import gc_window
 from terra.tracing.locations import Locator, code_info, pause_tracking, resume_tracking
 
 DEFAULT_CONST_LIMIT = 16
@@ -224,7 +225,9 @@ class _Unsupported(Exception):
 class Recorder(hook.Interceptor):
     """Records one iteration on the calling thread. See the module docstring for the model.
 
-    Recorder(site="iteration", *, const_limit=16, track_loops=True)
+    Recorder(site="iteration", *, const_limit=16, track_loops=True, young_gc=0)
+      young_gc: while recording, the garbage collector's young generation collects after at
+                least this many allocations (gc_window.py; 0: the collector is left alone).
       start(root_frame=None)  begin recording; locations are relative to `root_frame` (default:
                               the caller's frame); loops running at that point are not counted.
       stop() -> Trace         stop recording (the hook is uninstalled when no one else uses it).
@@ -234,14 +237,17 @@ class Recorder(hook.Interceptor):
     """
 
     def __init__(self, site: str = "iteration", *, const_limit: int = DEFAULT_CONST_LIMIT,
-                 track_loops: bool = True):
+                 track_loops: bool = True, young_gc: int = 0):
         if not isinstance(site, str):
             raise TypeError(f"Recorder: site must be a str, got {site!r}")
         if not isinstance(const_limit, int) or const_limit < 0:
             raise ValueError(f"Recorder: const_limit must be a non-negative int, got {const_limit!r}")
         self.trace = Trace(site)
+        if not isinstance(young_gc, int) or young_gc < 0:
+            raise ValueError(f"Recorder: young_gc must be a non-negative int, got {young_gc!r}")
         self.const_limit = const_limit
         self.track_loops = track_loops
+        self.young_gc = young_gc
         self._produced: dict = {}   # id(tensor) -> (tensor, OutputRef)
         self._born: dict = {}       # id(tensor) -> (tensor, python value): converted this iteration
         self._library_arrays: set = set()  # ids of `_born` tensors made from library-made arrays
@@ -269,6 +275,7 @@ class Recorder(hook.Interceptor):
             hook.uninstall()
             raise
         self._locator = Locator(root, track_loops=self.track_loops)
+        gc_window.widen(self.young_gc)
         self.recording = True
         return self
 
@@ -276,6 +283,7 @@ class Recorder(hook.Interceptor):
         if not self.recording:
             raise RuntimeError("Recorder.stop(): not recording")
         self.recording = False
+        gc_window.restore()
         self._locator.close()
         hook.deactivate(self._token)
         hook.uninstall()
@@ -686,8 +694,8 @@ class ContinuingRecorder(Recorder):
     """A Recorder that understands placeholders (by their real value) and can start from a prefix
     of an earlier trace; it stops recording (marking the trace unsupported) past `max_ops`."""
 
-    def __init__(self, site, max_ops: int = 50000):
-        super().__init__(site)
+    def __init__(self, site, max_ops: int = 50000, young_gc: int = 0):
+        super().__init__(site, young_gc=young_gc)
         self.max_ops = max_ops
         self.units: dict = {}   # start -> GradUnit
         self.too_long = False
