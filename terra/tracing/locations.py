@@ -57,7 +57,7 @@ class CodeInfo:
     plain fall-through, told apart by the previous event's offset).
     """
     __slots__ = ("label", "internal", "library", "loops", "loop_ids", "traced", "code", "file",
-                 "name")
+                 "name", "none_ignored")
 
     def __init__(self, code):
         self.code, self.file = code, os.path.basename(code.co_filename)
@@ -68,6 +68,7 @@ class CodeInfo:
         self.loops = () if self.internal else find_loops(code)
         self.loop_ids = tuple(f"{self.label}@{start}" for start, _, _ in self.loops)
         self.traced = bool(self.loops) and not self.library  # user code with loops: line events
+        self.none_ignored = (False,) * len(self.loops)
 
 
 def _line(code, lasti) -> int | None:
@@ -192,7 +193,8 @@ class FrameLoops:
         self.last = -1
         # Loops already running when recording started (the training loop around the root
         # frame) are not part of any location.
-        self.ignored = tuple(ignore_at is not None and s <= ignore_at <= e for s, e, _ in info.loops)
+        self.ignored = info.none_ignored if ignore_at is None else \
+            tuple(s <= ignore_at <= e for s, e, _ in info.loops)
         self.tracer = self.trace
 
     def trace(self, frame, event, arg):
@@ -243,7 +245,8 @@ class LibraryFrameLoops:
         self.iters = [None] * len(info.loops)
         self.last = None
         self.last_child = None
-        self.ignored = tuple(ignore_at is not None and s <= ignore_at <= e for s, e, _ in info.loops)
+        self.ignored = info.none_ignored if ignore_at is None else \
+            tuple(s <= ignore_at <= e for s, e, _ in info.loops)
 
     def at(self, o: int, child) -> tuple:
         iters, loops, last = self.iters, self.loops, self.last

@@ -821,11 +821,15 @@ def _has_raw_value(inputs) -> bool:
 
 
 def _reads_raw_variable(op_type, inputs) -> bool:
-    op_def = tfp.get_op_def(op_type)
-    if op_def is None:
+    resource = _RESOURCE_ARGS.get(op_type, _UNSEEN)
+    if resource is _UNSEEN:  # read once per op type: op_def fields are protobuf accesses
+        op_def = tfp.get_op_def(op_type)
+        resource = _RESOURCE_ARGS[op_type] = None if op_def is None else \
+            tuple(arg.type == _DT_RESOURCE for arg in op_def.input_arg)
+    if resource is None:
         return False
-    for arg, v in zip(op_def.input_arg, inputs):
-        if arg.type == _DT_RESOURCE:
+    for is_resource, v in zip(resource, inputs):
+        if is_resource:
             continue
         for e in (v if isinstance(v, (list, tuple)) else (v,)):
             if isinstance(e, tfp.BaseResourceVariable):
@@ -834,6 +838,8 @@ def _reads_raw_variable(op_type, inputs) -> bool:
 
 
 _DT_RESOURCE = tf.resource.as_datatype_enum
+_RESOURCE_ARGS: dict = {}  # op type -> whether each input arg is a resource (None: no op_def)
+_UNSEEN = object()
 
 
 
