@@ -454,7 +454,9 @@ class _Key:
 _nodes: dict = {}  # (entry, parent key) -> _Key
 _MAX_LOCATIONS = 1 << 18
 _generation = 0    # bumped when _nodes is cleared: memos hold keys of the old generation
-_MAX_MEMO = 4096   # frames a Locator's memo holds alive at most
+# frames a Locator's memo holds alive at most: a finished call's frame keeps its locals (a
+# layer's input and output tensors) alive while held; a hit needs only the current stack's
+_MAX_MEMO = 256
 _MEMO = True       # False: walk every frame (tests compare both)
 _RESUMABLE = 0x20 | 0x80 | 0x200  # CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR
 _EMPTY = Location((), ())
