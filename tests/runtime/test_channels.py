@@ -285,3 +285,50 @@ def test_wait_event_returns_at_once_when_set_and_times_out_naming_the_wait():
     assert wait_event(ev, "timer", 10) > 0.0 and ev.is_set()
     with pytest.raises(TerraTimeoutError, match="never"):
         wait_event(threading.Event(), "never", 0.2)
+
+
+def test_wait_until_sleeps_an_expected_wait_in_one_piece_before_polling(monkeypatch):
+    from terra.compiler import channels
+    slept, polls = [], []
+    monkeypatch.setattr(channels.time, "sleep", slept.append)
+
+    def ready():
+        polls.append(1)
+        return len(polls) >= 2  # the first poll (before any wait) finds nothing
+
+    channels.wait_until(ready, "x", 5, expect=0.004)
+    assert slept == [0.004] and len(polls) == 2
+    # no expectation (or one shorter than the spin): no sleep before the value is seen
+    polls.clear()
+    slept.clear()
+    channels.wait_until(ready, "x", 5, expect=0.0)
+    assert slept == [] and len(polls) == 2
+
+
+def test_fetch_get_expects_the_shortest_of_its_recent_waits(monkeypatch):
+    from terra.compiler import channels
+    ch = FetchChannel(tf.float32, [], name="expect_test")
+    expects = []
+    seq = [0.010, 0.004, 0.020, 0.008, 0.006, 0.009, 0.012, 0.030, 0.011, 0.007, 0.0]
+    waits = iter(seq)
+
+    def fake_wait(ready, what, timeout=None, watch=None, expect=0.0):
+        expects.append(expect)
+        return next(waits)
+
+    monkeypatch.setattr(channels, "wait_until", fake_wait)
+
+    @tf.function
+    def fill():
+        for i in range(11):
+            ch.enqueue_op(tf.constant(float(i)))
+
+    fill()
+    got = [float(ch.get()) for _ in range(11)]
+    assert got == [float(i) for i in range(11)]
+    # none until eight waits are known, then 0.8 x the shortest of the last eight
+    assert expects[:8] == [0.0] * 8
+    assert expects[8] == pytest.approx(0.8 * 0.004)
+    assert expects[9] == pytest.approx(0.8 * 0.004)
+    assert expects[10] == pytest.approx(0.8 * 0.006)  # 0.010 and 0.004 have left the window
+    assert ch.wait_seconds == pytest.approx(sum(seq))
