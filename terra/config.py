@@ -51,6 +51,10 @@ class Config:
       generation collects after at least this many allocations (Python's default is 700); the
       previous thresholds come back when recording stops. 0: the collector is left alone
       (terra/tracing/gc_window.py: a traced resnet50 step spent 320-560 ms collecting).
+    coexec_gc_threshold: the same while an iteration co-executes (from its tape's entry to the
+      next one): its placeholders and skeleton objects live until it ends, and with Python's
+      default every one that a young collection met was promoted, until a full collection of
+      the whole process (yolov3_like: 3-5 ms of collection per 35 ms step). 0: left alone.
     layer_units: match calls of Keras' built-in layers, loss objects and plain Sequential /
         functional models of built-in layers as one guarded unit each.
     user_layer_units: also match a call of a user-defined layer or model as one unit where its
@@ -90,6 +94,7 @@ class Config:
     verbose: int = 0
     max_trace_ops: int = 50000
     tracing_gc_threshold: int = 50000
+    coexec_gc_threshold: int = 50000
     layer_units: bool = True
     user_layer_units: bool = True
     site_graph: bool = False
@@ -106,7 +111,7 @@ _CHECKS = {
     "user_layer_units": (bool,), "site_graph": (bool,),
     "background_builds": (bool,), "shape_groups": (bool,), "commit_writes": (bool,),
     "max_traces": (int,), "max_fallbacks": (int,), "verbose": (int,), "max_trace_ops": (int,),
-    "tracing_gc_threshold": (int,),
+    "tracing_gc_threshold": (int,), "coexec_gc_threshold": (int,),
     "timeout_s": (int, float),
 }
 
@@ -122,8 +127,8 @@ def configure(**changes) -> dict:
             raise TypeError(f"terra.config: {name} must be {types[0].__name__}, got {value!r}")
         if name in ("max_traces", "max_fallbacks", "max_trace_ops") and value < 1:
             raise ValueError(f"terra.config: {name} must be >= 1, got {value!r}")
-        if name == "tracing_gc_threshold" and value < 0:
-            raise ValueError(f"terra.config: tracing_gc_threshold must be >= 0, got {value!r}")
+        if name in ("tracing_gc_threshold", "coexec_gc_threshold") and value < 0:
+            raise ValueError(f"terra.config: {name} must be >= 0, got {value!r}")
         if name == "timeout_s" and value <= 0:
             raise ValueError(f"terra.config: timeout_s must be > 0, got {value!r}")
         old[name] = getattr(CONFIG, name)

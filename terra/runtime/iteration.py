@@ -21,7 +21,7 @@ from terra.runtime.placeholders import Placeholder
 from terra.runtime.divergence import GRAPH_ERROR, Divergence, DivergenceKind, user_line
 from terra.runtime.python_runner import UNSET, PythonRunner, placeholder_ref
 from terra.runtime.shape_groups import current_record
-from terra.tracing import hook
+from terra.tracing import gc_window, hook
 from terra.tracing.recorder import ContinuingRecorder
 
 
@@ -59,6 +59,19 @@ class Iteration(IterationEnd):
         self.missed = False     # ... and had to leave it (a restart or a fallback)
         self.hold: int | None = None  # the run waits until Python has matched this many ops
         self.held = False       # the run was held at some point (counted once)
+        self.young_gc = False   # it holds a gc_window open (co-executed), closed by `finish`
+
+    def widen_gc(self, young: int) -> None:
+        """Hold the garbage collector's young generation at `young` allocations until `finish`
+        (the iteration co-executes; see `coexec_gc_threshold`)."""
+        if not self.young_gc:
+            self.young_gc = True
+            gc_window.widen(young)
+
+    def close_gc(self) -> None:
+        if self.young_gc:
+            self.young_gc = False
+            gc_window.restore()
 
     def release(self) -> None:
         """Drop what a finished, collected iteration no longer needs; its values resolve from

@@ -45,6 +45,12 @@ class IterationEnd:
 
     def finish(self) -> None:
         """End the iteration (the next __enter__, reset, or leaving the site)."""
+        try:
+            self._finish()
+        finally:
+            self.close_gc()
+
+    def _finish(self) -> None:
         s = self.session
         # The frame of the tape's site is needed only while the iteration runs. Once that frame
         # has returned, holding it would keep its locals (the last step's gradients, loss, tape)

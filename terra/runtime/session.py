@@ -52,7 +52,7 @@ from terra.runtime.roles import VariableRoles
 from terra.runtime.executable import PathRun
 from terra.runtime.site_graph import SiteRun
 from terra.runtime.sites import Site
-from terra.tracing import hook
+from terra.tracing import gc_window, hook
 from terra.tracing.recorder import ContinuingRecorder
 from terra.tracing.locations import caller_step_try
 
@@ -190,8 +190,20 @@ class Session:
             if key != it.site.key and it.frame_alive():
                 it.add_tape(tape)
                 return
+            if it.young_gc:
+                # from one co-executed iteration to the next the window stays open: closed in
+                # between, the young objects the last one still holds would be collected (and
+                # promoted) at once by the program's threshold
+                with gc_window.widened(CONFIG.coexec_gc_threshold):
+                    with held_interrupts(), self.internal():  # the step Python left completes first
+                        it.finish()
+                    self._enter_site(key, frame, tape)
+                return
             with held_interrupts(), self.internal():  # the step Python left completes first
                 it.finish()
+        self._enter_site(key, frame, tape)
+
+    def _enter_site(self, key, frame, tape) -> None:
         site = self.sites.get(key)
         if site is None:
             label = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
@@ -231,6 +243,7 @@ class Session:
             path = self.builds.by_role(site, path, it.number, self.roles)
             site.phase = "coexecution"
             it.mode = Mode.SKIP
+            it.widen_gc(CONFIG.coexec_gc_threshold)
             it.path = path
             it.runner = PythonRunner(it, path.view)
             sg = site.site_graph

@@ -11,7 +11,8 @@ step's temporaries die before any collection sees them (35-80 ms).
 
 The collector stays on (cyclic garbage is still collected, after at most `young` allocations);
 the previous thresholds come back when the last recorder stops, unless the program changed
-them meanwhile (its setting wins). Graph builds (runtime/builds.py) widen it too.
+them meanwhile (its setting wins). Graph builds (runtime/builds.py) and co-executed iterations
+(runtime/session.py, `coexec_gc_threshold`: their placeholders live until they end) widen it too.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Terra widens the collector's young generation only while it records an iteration: compiled
-iterations run under the program's own thresholds."""
+"""Terra widens the collector's young generation while it records an iteration
+(`tracing_gc_threshold`) and while it co-executes one (`coexec_gc_threshold`); eager iterations,
+and everything once Terra is done, run under the program's own thresholds."""
 import gc
 import os
 
@@ -19,7 +20,7 @@ def _fresh():
     terra.reset()
     yield
     terra.reset()
-    terra.config(tracing_gc_threshold=50000)
+    terra.config(tracing_gc_threshold=50000, coexec_gc_threshold=50000)
     gc.set_threshold(*old)
 
 
@@ -37,6 +38,7 @@ def _run(tape_cls, steps):
 
 
 def test_thresholds_are_wide_while_traced_and_the_programs_once_compiled():
+    terra.config(coexec_gc_threshold=0)
     _, eager_losses, eager_w = _run(tf.GradientTape, 6)
     seen, losses, w = _run(tf.TerraGradientTape, 6)
     assert losses == eager_losses and np.array_equal(w, eager_w)
@@ -49,6 +51,56 @@ def test_thresholds_are_wide_while_traced_and_the_programs_once_compiled():
 
 
 def test_zero_leaves_the_collector_alone():
-    terra.config(tracing_gc_threshold=0)
+    terra.config(tracing_gc_threshold=0, coexec_gc_threshold=0)
     seen, _, _ = _run(tf.TerraGradientTape, 4)
     assert seen == [700] * 4
+
+
+def test_coexecuted_iterations_keep_the_window_open_from_one_to_the_next():
+    terra.config(coexec_gc_threshold=30000)
+    _, eager_losses, eager_w = _run(tf.GradientTape, 6)
+    counts = []
+    gc.callbacks.append(lambda phase, info: counts.append(info["generation"])
+                        if phase == "start" else None)
+    try:
+        seen, losses, w = _run(tf.TerraGradientTape, 6)
+    finally:
+        gc.callbacks.pop()
+    assert losses == eager_losses and np.array_equal(w, eager_w)
+    stats = terra.stats()
+    assert stats["traces"] == 2 and stats["graph_builds"] == 1
+    # recorded with the tracing threshold, compiled with the co-execution one
+    assert seen == [50000, 50000, 30000, 30000, 30000, 30000]
+    terra.end_iteration()
+    assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_steady_coexecution_runs_no_collection():
+    """A compiled iteration's placeholders and skeleton objects die with it: no collection runs
+    (with Python's 700, this loop ran young collections, which promoted what they met)."""
+    w = tf.Variable(np.ones((4, 4), "float32"))
+    x = tf.constant(np.ones((2, 4), "float32"))
+    counts = []
+
+    def count(phase, info):
+        if phase == "start":
+            counts.append(info["generation"])
+    try:
+        for step in range(45):
+            if step == 5:  # traced twice, built, compiled since iteration 2
+                gc.collect()
+                gc.callbacks.append(count)
+            with tf.TerraGradientTape() as tape:
+                h = x
+                for _ in range(40):  # a placeholder per op: ~1,000 objects live per iteration
+                    h = tf.tanh(h @ w)
+                loss = tf.reduce_sum(h)
+            w.assign_sub(0.1 * tape.gradient(loss, w))
+            float(loss)
+    finally:
+        if count in gc.callbacks:
+            gc.callbacks.remove(count)
+        terra.end_iteration()
+    stats = terra.stats()
+    assert (stats["traces"], stats["fallbacks"], stats["graph_builds"]) == (2, 0, 1)
+    assert counts == []
