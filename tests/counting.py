@@ -12,7 +12,8 @@ import terra
 
 COUNTED = ("iterations", "traces", "graph_builds", "graph_reuses", "role_renames", "fallbacks",
            "path_switches",
-           "case_switches", "held_iterations", "held_switches", "pure_tails", "static_reads")
+           "case_switches", "held_iterations", "held_switches", "pure_tails", "static_reads",
+           "eager_twins")
 
 
 class CompileCounter:

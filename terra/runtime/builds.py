@@ -53,7 +53,8 @@ class Builds:
             if shared is None and reuse_only:
                 return
             if path.view is None:
-                path.view = PathView(path.trace, path.usable_units(), site.key, site.caller_step_try)
+                path.view = PathView(path.trace, path.usable_units(), site.key, site.caller_step_try,
+                                     path.wanted())
             if path.snapshot is None:
                 path.snapshot = Snapshot.of(written_variables(path.trace))
             if shared is not None:
@@ -88,7 +89,8 @@ class Builds:
             t = time.perf_counter()
             if path.graph is None or self.reuse(site, q) is None:
                 return path
-            q.view = PathView(q.trace, q.usable_units(), site.key, site.caller_step_try)
+            q.view = PathView(q.trace, q.usable_units(), site.key, site.caller_step_try,
+                              q.wanted())
             q.snapshot = Snapshot.of(written_variables(q.trace))
             q.built_for = q.build_key()
         site.paths[q.signature] = q
@@ -180,7 +182,8 @@ class Builds:
 
     def _attach(self, site, g, m) -> None:
         if m.view is None:
-            m.view = PathView(m.trace, m.usable_units(), site.key, site.caller_step_try)
+            m.view = PathView(m.trace, m.usable_units(), site.key, site.caller_step_try,
+                              m.wanted())
         if m.snapshot is None:
             m.snapshot = Snapshot.of(written_variables(m.trace))
         m.graph = g.graph
@@ -199,7 +202,8 @@ class Builds:
             fetch_points, liveouts = {}, set()
             for m in g.members:
                 if m.view is None:
-                    m.view = PathView(m.trace, m.usable_units(), site.key, site.caller_step_try)
+                    m.view = PathView(m.trace, m.usable_units(), site.key, site.caller_step_try,
+                                      m.wanted())
                 for ref, after in skip_fetch_points(m).items():
                     fetch_points[ref] = min(after, fetch_points.get(ref, after))
                 liveouts |= m.liveouts
@@ -209,7 +213,8 @@ class Builds:
             units = [m.usable_units() for m in g.members]
             gp.units = {s: u for s, u in units[0].items()
                         if all((o.get(s) or u).end == u.end and s in o for o in units[1:])}
-            gp.view = PathView(gp.trace, gp.units, site.key, site.caller_step_try)
+            gp.view = PathView(gp.trace, gp.units, site.key, site.caller_step_try,
+                               gp.wanted())
             gp.fetch_points, gp.outside_reads, gp.liveouts = fetch_points, set(fetch_points), liveouts
             # constants the graph computes from the shapes it holds are put by no member
             g.derived = derive(g.relaxed, [m.trace for m in g.members])

@@ -109,7 +109,8 @@ class Filing:
                     it.fallback_gap >= KNOWN_REUSE_GAP:
                 site.known_fallbacks += 1  # a bounded cost per occurrence: see KNOWN_REUSE_GAP
         elif path.view is None and path.graph is not None:
-            path.view = PathView(path.trace, path.usable_units(), site.key, site.caller_step_try)
+            path.view = PathView(path.trace, path.usable_units(), site.key, site.caller_step_try,
+                                 path.wanted())
         for other in list(site.paths.values()):
             # a compiled path that learned a fetch in this iteration (Iteration.get: a value
             # Python read where the path's graph did not fetch it) is rebuilt now: a stale path

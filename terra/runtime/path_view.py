@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from terra.ir.op_kinds import VALUE_SAFE_OPS
-from terra.ir.records import FRAME_LOOPS, FRAME_TRIES, FeedRef, OutputRef, Trace
+from terra import _tf_private as tfp
+from terra.ir.op_kinds import HOST_OPS, VALUE_SAFE_OPS
+from terra.ir.records import FRAME_LOOPS, FRAME_TRIES, ConstRef, FeedRef, OutputRef, Trace
 from terra.tracing.locations import code_info
 
 
@@ -85,11 +86,47 @@ def ends_in_a_step_try(trace: Trace, root) -> bool:
     return False
 
 
+def eager_twins(trace: Trace, wanted) -> frozenset:
+    """Records skip mode also runs eagerly, binding their placeholders to the results: ops no
+    tape records (the program's data preparation before its next `with tape`), stateless, whose
+    inputs are all feeds, constants or other such records' outputs, and from which a value the
+    program holds after the iteration or reads (`wanted`) comes. Such a value is otherwise a
+    fetch Python waits for at its next use, usually at the next step's first layer: it comes
+    from the end of the previous run, so the next step's skeleton could not start before that
+    run ended (gpt2 slices `tokens[:, :-1]` before its tape). Eager computes the same ops
+    again on the same values: the result is eager's own."""
+    wanted_records = {r.record for r in wanted if isinstance(r, OutputRef)}
+    if not wanted_records:
+        return frozenset()
+    eligible = set()
+    for rec in trace.records:
+        if rec.taped or rec.route == "function" or rec.op_type in HOST_OPS or not rec.outputs:
+            continue
+        op_def = tfp.get_op_def(rec.op_type)
+        if op_def is None or op_def.is_stateful:
+            continue
+        if all(isinstance(r, (FeedRef, ConstRef)) or
+               (isinstance(r, OutputRef) and r.record in eligible) for r in rec.input_refs()):
+            eligible.add(rec.index)
+    # keep those a wanted value comes from
+    keep, stack = set(), [i for i in wanted_records if i in eligible]
+    while stack:
+        i = stack.pop()
+        if i in keep:
+            continue
+        keep.add(i)
+        stack.extend(r.record for r in trace.records[i].input_refs()
+                     if isinstance(r, OutputRef) and r.record in eligible)
+    return frozenset(keep)
+
+
 class PathView:
     """What skip mode needs about one compiled trace, precomputed for fast checks."""
 
-    def __init__(self, trace: Trace, units: dict, root=None, caller_step_try: bool = False):
+    def __init__(self, trace: Trace, units: dict, root=None, caller_step_try: bool = False,
+                 wanted=frozenset()):
         self.trace = trace
+        self.twins = eager_twins(trace, wanted)
         self.barriers = frozenset() if root is None else barrier_records(trace, root)
         self.end_sync = root is not None and (caller_step_try or ends_in_a_step_try(trace, root))
         self.records = trace.records
@@ -145,4 +182,4 @@ def _flat_refs(guard):
             yield from _flat_refs(g)
 
 
-__all__ = ["GradUnit", "PathView", "barrier_records", "ends_in_a_step_try"]
+__all__ = ["GradUnit", "PathView", "barrier_records", "eager_twins", "ends_in_a_step_try"]

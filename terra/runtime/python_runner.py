@@ -120,9 +120,12 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
         mark = len(self.fed_order)
         self.new_feed = None
         try:
+            p = self.pos
             outs = self._skip(op_type, inputs, attrs, route)
             if op_type in HOST_OPS:  # matched: now it really runs, on the fetched inputs
                 return run()         # (the execute hook resolves the placeholders in place)
+            if p in self.view.twins:
+                self._run_twin(outs, inputs, route, run)
             return outs
         except Diverged as d:
             self.rollback(mark)
@@ -163,6 +166,26 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
                         inputs[i] = v._terra_materialize()
             return recorder.op(op_type, inputs, attrs, route, run)
 
+    def _run_twin(self, outs, inputs, route, run) -> None:
+        """Run a matched op eagerly too (`PathView.twins`) and make its placeholders hold the
+        results, when its inputs are values Python has (not the graph's: those would be a
+        fetch). Placeholders among them (earlier twins' results) are resolved in place on the
+        slow route only (`_skip` sends such an op there)."""
+        if _placeholders(inputs, pending_only=True) or \
+                route == "fast" and _placeholders(inputs):
+            return
+        real = run()
+        phs = outs if isinstance(outs, (list, tuple)) else [outs]
+        vals = real if isinstance(real, (list, tuple)) else [real]
+        if len(phs) != len(vals):
+            return
+        for ph, v in zip(phs, vals):
+            if isinstance(ph, Placeholder) and isinstance(v, tfp.EagerTensor) and \
+                    ph._terra_value is None and v.dtype == ph._dtype and \
+                    ph._shape_val.is_compatible_with(v.shape):
+                ph.__dict__["_terra_value"] = v
+                self.iteration.session.counters.eager_twins += 1
+
     # ------------------------------------------------------------------ matching
     def _diverge(self, reason, expected, observed, kind=DivergenceKind.MISMATCH):
         raise Diverged(Divergence(user_line(), str(expected), str(observed), self.pos, reason,
@@ -175,6 +198,12 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
                 p in view.fast_fallbacks):
             # a host op runs for real, and only the slow route hands over an input list whose
             # placeholders can be resolved in place
+            self._raised = op_type
+            raise tfp.FallbackException()
+        if route == "fast" and p in view.twins and view.records[p].op_type == op_type and \
+                _placeholders(inputs) and not _placeholders(inputs, pending_only=True):
+            # an eager twin on earlier twins' results: only the slow route's input list has
+            # its placeholders resolved in place when the op runs
             self._raised = op_type
             raise tfp.FallbackException()
         if self.iteration.run_failed():
@@ -428,6 +457,16 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
 
 
 _RESOURCE = tf.resource
+
+
+def _placeholders(x, pending_only=False) -> bool:
+    """Whether `x` (an op's input, lists nested) holds a placeholder (`pending_only`: one
+    without a value yet)."""
+    if isinstance(x, Placeholder):
+        return not (pending_only and x.is_materialized)
+    if isinstance(x, (list, tuple)):
+        return any(_placeholders(v, pending_only) for v in x)
+    return False
 
 
 

@@ -233,6 +233,10 @@ class Path:
         self.fetch_points[ref] = after_record if prev is None else min(prev, after_record)
         self.outside_reads.add(ref)
 
+    def wanted(self) -> frozenset:
+        """Values of the path the program holds after its iterations or reads outside units."""
+        return frozenset(self.liveouts) | frozenset(self.outside_reads)
+
     @property
     def stale(self) -> bool:
         return self.graph is None or self.built_for != self.build_key()

@@ -1,0 +1,72 @@
+"""Eager twins (terra/runtime/path_view.py, `eager_twins`): ops no tape records that prepare the
+next step's data from feeds and constants (a language model's `tokens[:, :-1]` before its tape)
+run eagerly too in skip mode, so the next step's first layer gets their values at once instead
+of waiting for the end of the previous run. Equal to eager, bit for bit, with exact counts."""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import terra  # noqa: E402
+from tests.counting import CompileCounter  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fresh_terra")
+
+
+def _program(Tape, steps=8, chain=False, drop=False):
+    rng = np.random.default_rng(3)
+    w = tf.Variable(rng.normal(size=(4, 4)).astype(np.float32) * 0.5)
+    data = [tf.constant(rng.normal(size=(3, 5)).astype(np.float32)) for _ in range(3)]
+    losses = []
+    for i in range(steps):
+        tokens = data[i % 3]
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        if chain:  # twins on twins' results: the slow route resolves them in place
+            inputs = tf.cast(tf.cast(inputs, tf.float64), tf.float32)
+        if drop:   # prepared and dropped: nothing the program holds comes from it
+            scratch = tokens * 2.0
+            del scratch
+        with Tape() as tape:
+            loss = tf.reduce_mean((tf.matmul(inputs, w) - targets) ** 2)
+        w.assign_sub(0.1 * tape.gradient(loss, w))
+        losses.append(float(loss))
+    return losses, w  # read after the block: the counter's exit ends the last iteration
+
+
+@pytest.mark.parametrize("chain", [False, True], ids=["slices", "slices_and_casts"])
+def test_data_prepared_before_the_tape_is_computed_eagerly_too(chain):
+    eager = _program(tf.GradientTape, chain=chain)
+    with CompileCounter() as c:
+        got = _program(tf.TerraGradientTape, chain=chain)
+    assert got[0] == eager[0]
+    assert np.array_equal(got[1].numpy(), eager[1].numpy())
+    # traced at iterations 1 and 2 (built at the second sighting), compiled from 3 on; the
+    # next step's preparation ends iterations 3-7 (2 slices, and 2 casts with `chain`), the
+    # last one's is never made (its tail is pure: the graph runs it on the traced values)
+    c.assert_counts(traces=2, graph_builds=1, fallbacks=0, pure_tails=1,
+                    eager_twins=5 * (4 if chain else 2))
+
+
+def test_a_value_nothing_holds_is_left_to_the_graph():
+    eager = _program(tf.GradientTape, drop=True)
+    with CompileCounter() as c:
+        got = _program(tf.TerraGradientTape, drop=True)
+    assert got[0] == eager[0] and np.array_equal(got[1].numpy(), eager[1].numpy())
+    c.assert_counts(traces=2, graph_builds=1, fallbacks=0, pure_tails=1, eager_twins=5 * 2)
+
+
+def test_twins_off_the_tape_only():
+    """Ops under a tape are the step's own computation: the graph's, never twinned."""
+    w = tf.Variable(np.ones((4, 4), np.float32))
+    x = tf.constant(np.ones((3, 4), np.float32))
+    with CompileCounter() as c:
+        for _ in range(6):
+            with tf.TerraGradientTape() as tape:
+                y = x[:, :2] * 3.0  # from a feed and constants, but recorded by the tape
+                loss = tf.reduce_sum(tf.matmul(x, w)) + tf.reduce_sum(y)
+            w.assign_sub(0.01 * tape.gradient(loss, w))
+            float(loss)
+    c.assert_counts(traces=2, graph_builds=1, fallbacks=0, eager_twins=0)
