@@ -10,7 +10,6 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import terra  # noqa: E402
 from tests.counting import CompileCounter  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_terra")
@@ -27,8 +26,7 @@ def _program(Tape, steps=8, chain=False, drop=False):
         if chain:  # twins on twins' results: the slow route resolves them in place
             inputs = tf.cast(tf.cast(inputs, tf.float64), tf.float32)
         if drop:   # prepared and dropped: nothing the program holds comes from it
-            scratch = tokens * 2.0
-            del scratch
+            tokens * 2.0  # noqa: B018 - computed and dropped at once
         with Tape() as tape:
             loss = tf.reduce_mean((tf.matmul(inputs, w) - targets) ** 2)
         w.assign_sub(0.1 * tape.gradient(loss, w))
