@@ -35,6 +35,7 @@ class Counters:
     held_iterations: int = 0   # compiled iterations whose run waited until their path was certain
     held_switches: int = 0     # path switches made before the run started: nothing to restart
     pure_tails: int = 0
+    young_collections: int = 0  # young collections between co-executed iterations (COLLECT_EVERY)
     eager_twins: int = 0       # values skip mode computed eagerly as well (PathView.twins)
     overlapped_iterations: int = 0
     commit_snapshots: int = 0  # snapshots a read of a written value took mid-iteration (commit)

@@ -56,6 +56,12 @@ from terra.tracing import gc_window, hook
 from terra.tracing.recorder import ContinuingRecorder
 from terra.tracing.locations import caller_step_try
 
+# Co-executed iterations hold the garbage collector's young window open from one to the next
+# (`coexec_gc_threshold`); every COLLECT_EVERY of them the young generation is collected between
+# two, so the program's cyclic garbage (a batch caught in a reference cycle, say) waits at most
+# that many steps, not until the window's allocations add up (7 net a step on the coexec CNN).
+COLLECT_EVERY = 16
+
 
 # ------------------------------------------------------------------------------------ session
 class Session:
@@ -66,6 +72,7 @@ class Session:
         self.iteration: Iteration | None = None
         self.events: list = []
         self.counters = Counters()
+        self.coexec_window = 0   # co-executed iterations that handed the gc window on
         self._installed = False
         self._graphs: list = []
         self.runner = ConfiguredRunner(error_context=self._error_context)
@@ -197,6 +204,9 @@ class Session:
                 with gc_window.widened(CONFIG.coexec_gc_threshold):
                     with held_interrupts(), self.internal():  # the step Python left completes first
                         it.finish()
+                    self.coexec_window += 1
+                    if self.coexec_window % COLLECT_EVERY == 0 and gc_window.collect_young():
+                        self.counters.young_collections += 1
                     self._enter_site(key, frame, tape)
                 return
             with held_interrupts(), self.internal():  # the step Python left completes first
