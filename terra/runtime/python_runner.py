@@ -90,7 +90,8 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
         self.fetch_log: list = []      # Fetch records of this iteration
         self.fed_order: list = []      # slots in the order they were fed
         self.passed: list = []         # starts of the coarse units skipped (their gates opened)
-        self._raised = None            # op type whose fast path this runner refused last
+        self._raised = None            # op type whose fast path this runner refused, until an
+                                       # op comes on the slow route (its own, after conversions)
         self._frozen_cache: dict = {}
         self.handles: dict = {}        # id(handle) -> (handle, variable) seen this iteration
         self.advance = None            # called with `pos` after each match (SiteRun.advance)
@@ -117,6 +118,9 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
     def op(self, op_type, inputs, attrs, route, run):
         if not self.skipping:  # after a fallback the session routes ops to the recorder
             return run()
+        refused = self._raised
+        if route == "fallback":
+            self._raised = None  # the refused op's slow route has come
         mark = len(self.fed_order)
         self.new_feed = None
         try:
@@ -156,8 +160,11 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
                             inputs[i] = v._terra_materialize()
                 return run()
             recorder = self.iteration.fallback(d.divergence)
-            if route == "fallback" and self._raised == op_type:
-                recorder.retry_on_slow_route(op_type)
+            if refused is not None and (route != "fallback" or refused == op_type):
+                # the divergence is the refused op's slow route, or one of its input conversions
+                # (a variable read): the recorder marks the op as eager's fast-path-first route,
+                # so the path's later runs refuse its fast path too instead of diverging there
+                recorder.retry_on_slow_route(refused)
             if route != "fast" and isinstance(inputs, list):
                 # converted inputs may be placeholders (passed through while skipping): the op
                 # now really runs, on their values
