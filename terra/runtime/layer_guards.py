@@ -22,7 +22,7 @@ from terra import _tf_private as tfp
 from terra.tracing import hook, purity
 
 __all__ = ["builtin_settings", "user_settings", "read_containers", "forced_codes", "denied_codes",
-           "impurity", "layers_of"]
+           "impurity", "layers_of", "Verdict", "known_verdict", "remember_verdict"]
 
 _cache: dict = {}
 _cache_epoch = -1
@@ -165,3 +165,62 @@ def impurity(w: purity.Watch, layer) -> Optional[str]:
             if why is not None:
                 return why
     return None
+
+
+# ------------------------------------------------------------------ purity verdicts, kept
+class Verdict:
+    """A watched call's verdict as `impurity` and `user_settings` read it (`reason`,
+    `attributes`), kept for the next trace of the same call."""
+    __slots__ = ("reason", "attributes", "read", "values")
+
+    def __init__(self, reason, attributes, read, values):
+        self.reason, self.attributes = reason, frozenset(attributes)
+        self.read, self.values = read, values
+
+
+_verdicts: dict = {}
+_verdicts_epoch = -1
+_MAX_VERDICTS = 4096
+
+
+def _verdict_key(layer, settings, flat):
+    def spec(x):
+        if isinstance(x, (bool, int, float, str, type(None))):
+            return ("value", type(x), x)
+        if isinstance(x, tfp.BaseResourceVariable):
+            return ("variable", id(x))
+        shape = getattr(x, "shape", None)
+        return ("spec", type(x), tuple(shape) if shape is not None else None,
+                str(getattr(x, "dtype", None)))
+    return (id(layer), settings) + tuple(spec(x) for x in flat)
+
+
+def known_verdict(layer, settings, flat) -> Optional[Verdict]:
+    """The verdict of an earlier traced call of `layer` with the same settings (layer epoch
+    included), inputs of the same shapes and dtypes, and the same plain arguments, if the
+    containers its Python read hold what they held then; else None.
+
+    Watching a call costs a profile event per Python call and C call in it (about a third of a
+    traced step of a model made of user-defined blocks). It need not be repeated: code found
+    pure that read no tensor value runs the same way again on the same inputs' signatures and
+    layer settings, so it is pure again and reads the same attributes. An impure verdict is
+    kept on the same key (watching again would find the same code)."""
+    if _verdicts_epoch != hook.layer_epoch():
+        return None
+    v = _verdicts.get(_verdict_key(layer, settings, flat))
+    if v is None or user_settings(layer, v.read)[2] != v.values:
+        return None
+    return v
+
+
+def remember_verdict(layer, settings, flat, watched: purity.Watch) -> None:
+    """Keep `watched`'s verdict for `known_verdict` (the caller keeps only verdicts of calls
+    that read no tensor value and were watched whole)."""
+    global _verdicts_epoch
+    e = hook.layer_epoch()
+    if e != _verdicts_epoch or len(_verdicts) >= _MAX_VERDICTS:
+        _verdicts.clear()
+        _verdicts_epoch = e
+    read = read_containers(layer, watched.attributes)
+    _verdicts[_verdict_key(layer, settings, flat)] = Verdict(
+        watched.reason, watched.attributes, read, user_settings(layer, read)[2])

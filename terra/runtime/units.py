@@ -19,6 +19,7 @@ from terra.runtime.path_view import GradUnit
 from terra.runtime.python_runner import placeholder_ref
 from terra.runtime import layer_guards
 from terra.tracing import hook, purity
+from terra.tracing.locations import pause_tracking, resume_tracking
 
 
 def guard_ref(session, it, x):
@@ -299,13 +300,20 @@ def layer_call(session, layer, original, args, kwargs, loss=False):
     start = len(rec.trace.records)
     depth = 0 if user else 1  # a user layer's layers are units of their own as well
     session.layer_depth += depth
+    known = None
+    if user and not purity.watching():  # a nested call's verdict joins its outer watch's
+        known = layer_guards.known_verdict(layer, settings, flat)
     try:
-        watch = purity.watch(layer_guards.forced_codes(layer), layer_guards.denied_codes()) \
-            if user else contextlib.nullcontext()
-        with _unit_python(rec) as reads, watch as watched:
+        watch = contextlib.nullcontext(known) if known is not None or not user else \
+            purity.watch(layer_guards.forced_codes(layer), layer_guards.denied_codes())
+        with _unit_python(rec, library=not user) as reads, watch as watched:
             result = original(layer, *args, **kwargs)
     finally:
         session.layer_depth -= depth
+    if user and known is None and not reads and watched.complete:
+        layer_guards.remember_verdict(layer, settings, flat, watched)
+    if known is not None:
+        session.counters.verdicts_kept += 1
     if user:  # the containers its Python may have read: compared afresh every time
         settings = (settings[0], layer_guards.user_settings(
             layer, layer_guards.read_containers(layer, watched.attributes)))
@@ -491,11 +499,13 @@ def _past_end(d: Divergence) -> Divergence:
 
 
 @contextlib.contextmanager
-def _unit_python(rec, tf_constants=False):
+def _unit_python(rec, tf_constants=False, library=True):
     """While the Python of a coarse unit runs under `rec` (tracing): its reads are marked
     `Fetch.in_unit`; with `tf_constants` (tape.gradient, apply_gradients), NumPy values it
-    makes are TF's own constants (`ContinuingRecorder._ref`). Yields the list of (ref, value)
-    the unit's Python reads (`GradUnit.reads`)."""
+    makes are TF's own constants (`ContinuingRecorder._ref`); a `library` unit (not a
+    user-defined layer) runs with loop tracking paused (`locations.pause_tracking`). Yields the
+    list of (ref, value) the unit's Python reads (`GradUnit.reads`)."""
+    paused = pause_tracking() if library else False
     rec.unit_depth += 1
     if tf_constants:
         rec.in_unit = True
@@ -504,6 +514,7 @@ def _unit_python(rec, tf_constants=False):
     try:
         yield reads
     finally:
+        resume_tracking(paused)
         rec.unit_depth -= 1
         rec.unit_reads = outer
         if outer is not None:

@@ -305,7 +305,12 @@ def _stop_tracking_at_exit() -> None:
 
 
 def pause_tracking():
-    """Turn line tracing off while Terra's own code runs (it would slow every line)."""
+    """Turn line tracing off while Terra's own code runs (it would slow every line), or while
+    library code that Terra runs as one unit does (a built-in layer's call, `tape.gradient`,
+    `apply_gradients`): with a trace function installed, CPython calls it at every frame's
+    start and runs every instruction through its tracing dispatch, about a fifth of a traced
+    step of a convolutional model. A user frame that begins meanwhile (a user activation inside
+    a built-in layer) counts its loop passes at op time, as library frames do."""
     if sys.gettrace() is _global_trace:
         sys.settrace(None)
         return True
@@ -400,16 +405,17 @@ class Locator:
                 lasti = f.f_lasti
                 if not info.loops:
                     entry = (info, lasti, ())
-                elif info.library or not self.tracking:  # op-time pass counting
-                    state = self._library.get(f)
-                    if state is None:
-                        state = self._library[f] = LibraryFrameLoops(
-                            info, ignore_at=lasti if f in stop else None)
-                    entry = (info, lasti, state.at(lasti, child))
                 else:
-                    state = getattr(f.f_trace, "__self__", None)
-                    iters = state.at(lasti) if isinstance(state, FrameLoops) else ()
-                    entry = (info, lasti, iters)
+                    state = getattr(f.f_trace, "__self__", None) \
+                        if self.tracking and not info.library else None
+                    if isinstance(state, FrameLoops):
+                        entry = (info, lasti, state.at(lasti))
+                    else:  # op-time pass counting: library code, or a user frame that began
+                        state = self._library.get(f)  # while tracking was paused
+                        if state is None:
+                            state = self._library[f] = LibraryFrameLoops(
+                                info, ignore_at=lasti if f in stop else None)
+                        entry = (info, lasti, state.at(lasti, child))
             walked.append((f, child, entry))
             if f in stop:
                 break

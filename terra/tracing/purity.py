@@ -32,7 +32,7 @@ import sys
 import types
 from typing import Optional
 
-__all__ = ["watch", "Watch", "impure_opcode", "settings", "unguarded_attribute", "PLAIN", "freeze"]
+__all__ = ["watch", "watching", "Watch", "impure_opcode", "settings", "unguarded_attribute", "PLAIN", "freeze"]
 
 # opcodes through which a code object changes state other than its own locals
 _STATEFUL_OPS = frozenset({
@@ -137,6 +137,7 @@ class Watch:
     def __init__(self, forced_codes=(), denied_codes=()):
         self.reason: Optional[str] = None
         self.attributes: set = set()
+        self.complete = True  # False where nothing could be watched (another profiler)
         self._forced = frozenset(forced_codes)
         self._denied = frozenset(denied_codes)
         self._trust: dict = {}  # id(frame) -> trusted, for frames entered while watched
@@ -197,6 +198,11 @@ class Watch:
 _ACTIVE: list = []  # the watches open on this thread, innermost last
 
 
+def watching() -> bool:
+    """Whether a watch is open on this thread (a call inside it is checked as part of it)."""
+    return bool(_ACTIVE)
+
+
 class watch:
     """`with watch(forced, denied) as w:` runs its body under the purity profile hook (forced:
     code objects checked wherever they run; denied: code objects that make the call impure
@@ -212,6 +218,7 @@ class watch:
         outer = sys.getprofile()
         if outer is not None and not isinstance(outer, Watch):
             self.w.reason = "a profiler is installed"
+            self.w.complete = False
             return self.w
         self._on = True
         _ACTIVE.append(self.w)

@@ -129,9 +129,12 @@ def test_a_model_with_a_pure_user_layer_is_one_unit(monkeypatch):
 
 
 def test_without_the_setting_the_user_layer_runs_its_python(monkeypatch):
-    terra.config(user_layer_units=False)
+    old = terra.config(user_layer_units=False)
     matched = matched_ops(monkeypatch)
-    c, _, _ = both(lambda: model_with(Block()))
+    try:
+        c, _, _ = both(lambda: model_with(Block()))
+    finally:
+        terra.config(**old)
     c.assert_counts(traces=3, graph_builds=1, fallbacks=0)
     # Block's own Mul, two Adds and the AddV2 of its offset, between its Dense units
     assert "Mul" in matched and len(matched) > 4, matched
@@ -252,3 +255,73 @@ def test_a_layer_reading_an_object_attribute_is_not_a_unit():
     # its Python runs: the new scale is a new constant of its Mul, which falls back once and
     # becomes a feed
     c.assert_counts(traces=4, graph_builds=2, fallbacks=1)
+
+
+def _count_watches(monkeypatch):
+    from terra.tracing import purity
+    opened = []
+    original = purity.watch.__enter__
+
+    def enter(self):
+        opened.append(self)
+        return original(self)
+    monkeypatch.setattr(purity.watch, "__enter__", enter)
+    return opened
+
+
+def test_a_kept_verdict_is_not_watched_again(monkeypatch):
+    opened = _count_watches(monkeypatch)
+    matched = matched_ops(monkeypatch)
+    c, _, _ = both(lambda: model_with(Block()))
+    c.assert_counts(traces=3, graph_builds=1, fallbacks=0, verdicts_kept=2)
+    # eager's run watches nothing. Iterations 1 and 2 watch the model and, inside it, Block (the
+    # model's first call sets attributes of its own: iteration 2 has other settings); iteration
+    # 3 keeps both verdicts (no watch is open when Block is called), and the unit is the same
+    assert len(opened) == 4, opened
+    assert matched == ["Sub", "Sub", "Pow", "Pow", "Mean"], matched
+
+
+def test_a_kept_verdict_holds_only_for_what_the_call_read():
+    from terra.runtime import layer_guards
+    from terra.tracing import purity
+    keras.utils.set_random_seed(0)
+    block = Block()
+    x2, x3 = tf.ones((2, 4)), tf.ones((3, 4))
+    block(x2)
+
+    def key():
+        return (True, layer_guards.user_settings(block))
+
+    def watched_call(x, training):
+        settings = key()
+        with purity.watch(layer_guards.forced_codes(block)) as w:
+            block(x, training=training)
+        layer_guards.remember_verdict(block, settings, [x, training], w)
+        return w
+
+    w = watched_call(x2, True)
+    assert w.reason is None and {"factor", "cfg", "offset"} <= w.attributes
+    kept = layer_guards.known_verdict(block, key(), [x2, True])
+    assert kept is not None and kept.reason is None and kept.attributes == w.attributes
+    assert layer_guards.known_verdict(block, key(), [x3, True]) is None  # another shape
+    assert layer_guards.known_verdict(block, key(), [x2, False]) is None  # another argument
+    block.cfg["shift"] = 0.25  # in place: the container the call read holds something else
+    assert layer_guards.known_verdict(block, key(), [x2, True]) is None
+    block.cfg["shift"] = 0.0
+    assert layer_guards.known_verdict(block, key(), [x2, True]) is not None
+    from terra.tracing import hook
+    hook.install()  # Terra counts layer epochs while its hook is installed (inside a tape)
+    try:
+        block.factor = 3.0  # an attribute set: a new layer epoch drops every kept verdict
+        assert layer_guards.known_verdict(block, key(), [x2, True]) is None
+    finally:
+        hook.uninstall()
+    # an impure call's verdict is kept as well
+    impure = Impure("counter")
+    impure(x2)
+    settings = (True, layer_guards.user_settings(impure))
+    with purity.watch(layer_guards.forced_codes(impure)) as w:
+        impure(x2)
+    assert w.reason is not None
+    layer_guards.remember_verdict(impure, settings, [x2], w)
+    assert layer_guards.known_verdict(impure, settings, [x2]).reason == w.reason
