@@ -7,6 +7,7 @@ is and why Terra needs it. Other parts of the project append their own clearly n
 from __future__ import annotations
 
 import contextlib as _contextlib
+import threading as _threading
 
 from tensorflow.core.protobuf import config_pb2 as _config_pb2
 
@@ -900,3 +901,35 @@ def place_updates_with_variables(optimizer) -> None:
     inner.update_step = update_step
     inner._all_reduce_sum_gradients = all_reduce_sum_gradients
     inner._terra_placed_updates = True
+
+
+# Graph ops record the Python stack that created them (`_create_c_op(..., extract_traceback)`),
+# for TF's error messages. Terra's own graphs are replays of recorded ops whose errors are
+# reported at the recorded user line, so the stack (Terra's replay loop) is never shown, and
+# taking it is a tenth of a graph's build. `_create_c_op` is looked up at each op creation;
+# wrapped once, it skips the stack on the threads inside `without_op_tracebacks()`.
+_op_tracebacks = _threading.local()
+
+
+def _wrap_create_c_op(orig):
+    def _create_c_op(graph, node_def, inputs, control_inputs, op_def=None,
+                     extract_traceback=True):
+        if getattr(_op_tracebacks, "off", False):
+            extract_traceback = False
+        return orig(graph, node_def, inputs, control_inputs, op_def=op_def,
+                    extract_traceback=extract_traceback)
+    _create_c_op.terra_wrapped = orig
+    return _create_c_op
+
+
+@_contextlib.contextmanager
+def without_op_tracebacks():
+    """Graph ops created on this thread inside record no Python stack (see above)."""
+    if not hasattr(_ops._create_c_op, "terra_wrapped"):
+        _ops._create_c_op = _wrap_create_c_op(_ops._create_c_op)
+    outer = getattr(_op_tracebacks, "off", False)
+    _op_tracebacks.off = True
+    try:
+        yield
+    finally:
+        _op_tracebacks.off = outer

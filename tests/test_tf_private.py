@@ -117,3 +117,20 @@ def test_assign_variable_op_writes_by_handle():
     v = tf.Variable([1.0, 2.0])
     tfp.assign_variable_op(v.handle, tf.constant([5.0, 6.0]))
     assert v.numpy().tolist() == [5.0, 6.0]
+
+
+def test_graph_ops_can_be_made_without_their_python_traceback():
+    from tensorflow.python.framework import ops
+    assert "extract_traceback" in inspect.signature(ops._create_c_op).parameters, \
+        "ops._create_c_op lost its extract_traceback parameter"
+    g = tf.Graph()
+    with g.as_default():
+        a = tf.constant(1.0)
+        with tfp.without_op_tracebacks():
+            b = tf.constant(2.0)
+            with tfp.without_op_tracebacks():  # nests
+                c = tf.constant(3.0)
+            d = tf.constant(4.0)
+        e = tf.constant(5.0)
+    assert a.op.traceback and e.op.traceback
+    assert b.op.traceback is None and c.op.traceback is None and d.op.traceback is None

@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass, field
 import tensorflow as tf
 
+from terra import _tf_private as tfp
 from terra.compiler import replay as _replay
 from terra.compiler.case_assignment import assign_cases
 from terra.compiler.interpret import input_dtypes
@@ -695,7 +696,8 @@ def lower(graph: TraceGraph, traces, *, unroll: bool = True, timed: bool = True)
     def build():
         lw.level(TOP, _Scope())
 
-    concrete = tf.function(build, autograph=False).get_concrete_function()
+    with tfp.without_op_tracebacks():
+        concrete = tf.function(build, autograph=False).get_concrete_function()
     stats = _count_ops(concrete)
     stats.update(nodes=graph.size()["nodes"],
                  switch_cases=sum(len(p.switch_cases) for p in an.plans.values()))

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from terra import _tf_private as tfp
 from terra.compiler import commit, replay, xla
 from terra.compiler.channels import FeedChannel, FeedFetchOrder, FetchChannel
 from terra.compiler.names import op_node_name
@@ -93,7 +94,8 @@ class LoweredPath:
             self.shapes = {OutputRef(i, j): t.shape for (i, j), t in env.items()}
             return [env[(r.record, r.index)] for r in liveouts]
 
-        self.concrete = tf.function(body, autograph=False).get_concrete_function()
+        with tfp.without_op_tracebacks():
+            self.concrete = tf.function(body, autograph=False).get_concrete_function()
 
     def _gate_writes(self, env) -> None:
         """Writes wait for Python's commit (compiler/commit.py), where the graph allows it."""

@@ -104,7 +104,7 @@ def unknown_shapes(trace: Trace) -> frozenset:
     `tf.range` over a computed limit): one op-creation pass, no function is traced. Host ops
     produce nothing in a graph and count as known."""
     graph = tfp.FuncGraph("terra_shapes")
-    with graph.as_default():
+    with graph.as_default(), tfp.without_op_tracebacks():
         feeds = [tf.compat.v1.placeholder(f.spec.dtype, f.spec.shape) for f in trace.feeds]
         env = GraphReplay(trace, feeds).run()
     return frozenset(OutputRef(i, j) for (i, j), t in env.items()

@@ -204,6 +204,8 @@ class Builds:
                 if m.view is None:
                     m.view = PathView(m.trace, m.usable_units(), site.key, site.caller_step_try,
                                       m.wanted())
+                if m.static.unknown_pending():  # structural: the same for every member
+                    m.static.assume_unknown(g.unknown)
                 for ref, after in skip_fetch_points(m).items():
                     fetch_points[ref] = min(after, fetch_points.get(ref, after))
                 liveouts |= m.liveouts

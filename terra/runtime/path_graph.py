@@ -74,12 +74,22 @@ class PathGraph:
         graph computes from shapes (`LoweredPath.derived`)."""
         self.path = path
         commit = CONFIG.commit_writes
-        lowered = LoweredPath(path.trace, skip_fetch_points(path), path.liveouts, CONFIG.xla,
+        # Which fetch points skip mode reads depends on which shapes are data-dependent. Rather
+        # than a separate inference pass over the trace first (a fifth of a build), assume none
+        # and let this graph's own inference say; where it finds some, the fetch points are
+        # taken again, and the graph lowered again if they changed.
+        guess = unknown is None and path.static.unknown_pending()
+        if guess or unknown is not None and path.static.unknown_pending():
+            path.static.assume_unknown(unknown or ())  # (a shape group's: its members')
+        fetch_points = skip_fetch_points(path)
+        lowered = LoweredPath(path.trace, fetch_points, path.liveouts, CONFIG.xla,
                               bundled=bundled, derived=derived, commit=commit)
         if unknown is None:
             unknown = frozenset(r for r, s in lowered.shapes.items() if not s.is_fully_defined())
-        gates = _unit_shape_checks(path, unknown)
-        if gates:
+        if guess and unknown:
+            path.static.assume_unknown(unknown)
+        gates = _unit_shape_checks(path, unknown)  # (adds the fetch points the checks read)
+        if gates or skip_fetch_points(path) != fetch_points:
             lowered = LoweredPath(path.trace, skip_fetch_points(path), path.liveouts, CONFIG.xla,
                                   gates, bundled, derived, commit)
         self.gate_channels = lowered.gate_channels

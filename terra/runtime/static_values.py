@@ -62,6 +62,16 @@ class StaticValues:
         self._known: dict = {}
         self._unknown = None   # outputs whose shape depends on data (`unknown_shapes`)
 
+    def unknown_pending(self) -> bool:
+        """Whether the data-dependent shapes have not been found yet."""
+        return self._unknown is None
+
+    def assume_unknown(self, unknown) -> None:
+        """Take `unknown` as the outputs whose shape depends on data (what a graph's inference
+        found), forgetting the values computed under another assumption."""
+        self._unknown = frozenset(unknown)
+        self._known.clear()
+
     def get(self, ref: OutputRef, checked=frozenset()):
         """The value of `ref` in every iteration on the path whose data-dependent shapes in
         `checked` are the traced ones; None if it is not static."""

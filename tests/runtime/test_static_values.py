@@ -67,3 +67,4 @@ def test_the_shape_of_a_data_dependent_value_is_static_only_once_checked():
     assert int(sv.get(n, frozenset({idx}))) == 3
     assert sv.get(n) is None  # (the cache keeps what the value assumed)
     assert int(sv.get(rec.ref_of(out["y_len"]))) == 3  # a shape no data sets
+
