@@ -341,6 +341,7 @@ class Locator:
             f = f.f_back
         self._library: dict = {}  # frame -> LibraryFrameLoops (frames held until close)
         self._memo: dict = {}  # frame -> (offset, child frame, key above), see location()
+        self._above: dict = {}  # frame -> the key of its callers, see location()
         self._generation = _generation
         self.memo_hits = 0
         self.tracking = False
@@ -369,6 +370,7 @@ class Locator:
         self._stop = set()
         self._library = {}
         self._memo = {}
+        self._above = {}
 
     def location(self, frame=None) -> Location:
         """Location of the op issued from `frame` (default: the caller's frame).
@@ -377,21 +379,26 @@ class Locator:
         frame at the same offset as in an earlier walk has not run since (its child, a plain
         function's frame, was on the stack all along), so neither it nor any frame above it
         has changed, and the interned key above it is taken from `_memo` instead of walking
-        on. A generator's frame can be resumed from another caller: never a memo hit through
-        one."""
+        on. A frame met again through another child or at another offset has run since (it
+        made another call), but its callers have not: they wait in the call that made it, so
+        the key above it is taken from `_above` and only its own entry is computed (a backward
+        pass's gradient functions, each called anew from one TF frame). A generator's frame
+        can be resumed from another caller: never a memo hit through one, nor above one."""
         global _generation
         f = sys._getframe(1) if frame is None else frame
         if len(_nodes) > _MAX_LOCATIONS:
             _nodes.clear()
             _generation += 1
-        memo = self._memo
-        if self._generation != _generation or len(memo) > _MAX_MEMO:
+        memo, above = self._memo, self._above
+        if self._generation != _generation or len(memo) > _MAX_MEMO or len(above) > _MAX_MEMO:
             memo.clear()
+            above.clear()
             self._generation = _generation
         stop = self._stop
         walked = []
         node = None  # the interned key of the frames above the walk
         child = None
+        top = False  # the walk ends at a frame whose callers' key is known
         while f is not None:
             if child is not None and _MEMO:
                 m = memo.get(f)
@@ -399,6 +406,10 @@ class Locator:
                     node = m[2]
                     self.memo_hits += 1
                     break
+                a = above.get(f, _ABSENT)
+                if a is not _ABSENT:
+                    node, top = a, True
+                    self.memo_hits += 1
             info = _infos.get(f.f_code) or code_info(f.f_code)
             entry = None
             if not info.internal:
@@ -417,11 +428,13 @@ class Locator:
                                 info, ignore_at=lasti if f in stop else None)
                         entry = (info, lasti, state.at(lasti, child))
             walked.append((f, child, entry))
-            if f in stop:
+            if top or f in stop:
                 break
             child = f
             f = f.f_back
         for f, child, entry in reversed(walked):
+            if _MEMO and not f.f_code.co_flags & _RESUMABLE:
+                above[f] = node
             if entry is not None:
                 k = (entry, node)
                 n = _nodes.get(k)
@@ -466,6 +479,7 @@ _MAX_MEMO = 256
 _MEMO = True       # False: walk every frame (tests compare both)
 _RESUMABLE = 0x20 | 0x80 | 0x200  # CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR
 _EMPTY = Location((), ())
+_ABSENT = object()
 _frame_labels: dict = {}
 
 
