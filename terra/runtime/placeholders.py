@@ -198,6 +198,15 @@ class Placeholder(tfp.Tensor):
             self.__dict__["_terra_value"] = v
         return v
 
+    def _terra_read(self):
+        """The real value for a Python read (a sync point). A value skip mode computed eagerly
+        as well (an eager twin, python_runner.py) is there already; the read is still logged as
+        one, once, for a fallback later in the iteration to hand to its trace."""
+        on_read = self.__dict__.pop("_terra_on_read", None)
+        if on_read is not None:
+            on_read()
+        return self._terra_materialize()
+
     def _terra_bind(self, value):
         """Turn this placeholder into a forwarder to `value` (after a fallback)."""
         self._check_value(value, "_terra_bind")
@@ -222,39 +231,39 @@ class Placeholder(tfp.Tensor):
 
     # ---- Python sync points (fetch) ------------------------------------------------------------
     def numpy(self):
-        return self._terra_materialize().numpy()
+        return self._terra_read().numpy()
 
     def __array__(self, dtype=None, copy=None):
-        a = self._terra_materialize().numpy()
+        a = self._terra_read().numpy()
         return np.asarray(a, dtype=dtype) if copy is None else np.array(a, dtype=dtype, copy=copy)
 
     def __float__(self):
-        return float(self._terra_materialize())
+        return float(self._terra_read())
 
     def __int__(self):
-        return int(self._terra_materialize())
+        return int(self._terra_read())
 
     def __index__(self):
-        return self._terra_materialize().__index__()
+        return self._terra_read().__index__()
 
     def __bool__(self):
-        return bool(self._terra_materialize())
+        return bool(self._terra_read())
 
     def __len__(self):
-        return len(self._terra_materialize())
+        return len(self._terra_read())
 
     def __format__(self, format_spec):
-        return format(self._terra_materialize(), format_spec)
+        return format(self._terra_read(), format_spec)
 
     def __repr__(self):
-        return repr(self._terra_materialize())
+        return repr(self._terra_read())
 
     def __str__(self):
-        return str(self._terra_materialize())
+        return str(self._terra_read())
 
     def __iter__(self):
         if self._shape_val.rank is None or self._shape_val[0] is None or self.is_materialized:
-            return iter(self._terra_materialize())
+            return iter(self._terra_read())
         return super().__iter__()
 
     def __hash__(self):
@@ -267,7 +276,7 @@ class Placeholder(tfp.Tensor):
         return self
 
     def __reduce__(self):
-        return (tf.convert_to_tensor, (self._terra_materialize().numpy(),))
+        return (tf.convert_to_tensor, (self._terra_read().numpy(),))
 
     # ---- forwarding ----------------------------------------------------------------------------
     def __getattr__(self, name):

@@ -18,6 +18,7 @@ placeholder itself, so op wrappers hand it to the hook instead of fetching its v
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import numpy as np
@@ -127,7 +128,8 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
             p = self.pos
             outs = self._skip(op_type, inputs, attrs, route)
             if op_type in HOST_OPS:  # matched: now it really runs, on the fetched inputs
-                return run()         # (the execute hook resolves the placeholders in place)
+                _log_twin_reads(inputs)  # (the execute hook resolves the placeholders in place)
+                return run()
             if p in self.view.twins:
                 self._run_twin(outs, inputs, route, run)
             return outs
@@ -191,6 +193,9 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
                     ph._terra_value is None and v.dtype == ph._dtype and \
                     ph._shape_val.is_compatible_with(v.shape):
                 ph.__dict__["_terra_value"] = v
+                ref = placeholder_ref(ph, self)
+                if ref is not None:  # a read of it is still a read (`_log_twin_reads`)
+                    ph.__dict__["_terra_on_read"] = functools.partial(self.log_fetch, ref)
                 self.iteration.session.counters.eager_twins += 1
 
     # ------------------------------------------------------------------ matching
@@ -464,6 +469,19 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
 
 
 _RESOURCE = tf.resource
+
+
+def _log_twin_reads(inputs) -> None:
+    """A host op's inputs are reads (an eager trace records them as fetches): log those that
+    eager twins answered without the graph, so a fallback's trace has them as eager's would
+    (without them, the path it files would not fetch the value, and its next run would fall
+    back at the host op)."""
+    for x in inputs:
+        for e in (x if isinstance(x, (list, tuple)) else (x,)):
+            if isinstance(e, Placeholder):
+                on_read = e.__dict__.pop("_terra_on_read", None)
+                if on_read is not None:
+                    on_read()
 
 
 def _placeholders(x, pending_only=False) -> bool:
