@@ -70,7 +70,7 @@ def test_twins_off_the_tape_only():
     c.assert_counts(traces=2, graph_builds=1, fallbacks=0, eager_twins=0)
 
 
-def _host_op_program(Tape, steps=12):
+def _host_op_program(Tape, steps=12, read=False):
     """wgan_gp's shape: the next step's noise is drawn (a host op: it runs as the program says)
     with a batch size computed once, before the tape, so packing the shape is an eager twin;
     on some steps the program then reads a variable where it multiplied by a constant before."""
@@ -83,7 +83,10 @@ def _host_op_program(Tape, steps=12):
     losses = []
     for i in range(steps):
         x = data[i]
-        noise = tf.random.normal((n, 4))
+        if read:  # the program reads the twin's value itself
+            noise = tf.ones((3, 4)) * float(tf.cast(n, tf.float32) * 0.25)
+        else:
+            noise = tf.random.normal((n, 4))
         noise = noise * (w[0, 0] if extra[i] else 0.5)  # a variable read where a Mul was
         with Tape() as tape:
             loss = tf.reduce_sum(tf.matmul(x + noise, w) ** 2)
@@ -92,13 +95,14 @@ def _host_op_program(Tape, steps=12):
     return losses, w
 
 
-def test_a_host_op_reading_an_eager_twin_is_a_read_in_the_trace_of_a_fallback():
+@pytest.mark.parametrize("read", [False, True], ids=["host_op", "program"])
+def test_a_read_of_an_eager_twin_is_a_read_in_the_trace_of_a_fallback(read):
     """A host op whose input an eager twin computed reads it without the graph; a fallback
     after it must still hand that read to its trace, or the path it files would not fetch the
     value and fall back at the host op each time it is taken (wgan_gp: one fallback more)."""
-    eager = _host_op_program(tf.GradientTape)
+    eager = _host_op_program(tf.GradientTape, read=read)
     with CompileCounter() as c:
-        got = _host_op_program(tf.TerraGradientTape)
+        got = _host_op_program(tf.TerraGradientTape, read=read)
     assert got[0] == eager[0] and (got[1].numpy() == eager[1].numpy()).all(), \
         __import__("terra").explain()
     # p1 (the variable read) is filed at its fallback at iteration 4 and runs from iteration 5
