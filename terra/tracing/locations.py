@@ -47,6 +47,8 @@ _LIBRARY_DIRS = tuple(sorted({os.path.realpath(p) + os.sep for key in ("stdlib",
                               if p.endswith(("site-packages", "dist-packages"))}))
 _BACKWARD_JUMPS = {"JUMP_BACKWARD", "POP_JUMP_BACKWARD_IF_TRUE", "POP_JUMP_BACKWARD_IF_FALSE",
                    "POP_JUMP_BACKWARD_IF_NONE", "POP_JUMP_BACKWARD_IF_NOT_NONE"}
+_BACKWARD_OPCODES = frozenset(dis.opmap[name] for name in
+                              _BACKWARD_JUMPS | {"JUMP_BACKWARD_NO_INTERRUPT"} if name in dis.opmap)
 
 
 class CodeInfo:
@@ -64,7 +66,7 @@ class CodeInfo:
         self.name = getattr(code, "co_qualname", code.co_name)
         self.label = f"{self.file}:{self.name}"
         self.internal = code.co_filename.startswith(_TERRA_DIR)
-        self.library = os.path.realpath(code.co_filename).startswith(_LIBRARY_DIRS)
+        self.library = _is_library(code.co_filename)
         self.loops = () if self.internal else find_loops(code)
         self.loop_ids = tuple(f"{self.label}@{start}" for start, _, _ in self.loops)
         self.traced = bool(self.loops) and not self.library  # user code with loops: line events
@@ -79,9 +81,23 @@ def _line(code, lasti) -> int | None:
     return None
 
 
+_library_files: dict = {}
+
+
+def _is_library(filename: str) -> bool:
+    known = _library_files.get(filename)
+    if known is None:
+        known = _library_files[filename] = os.path.realpath(filename).startswith(_LIBRARY_DIRS)
+    return known
+
+
 def find_loops(code) -> tuple:
     """Loop ranges of `code` from its backward jumps; overlapping ranges (``continue`` in a
-    ``while`` loop jumps to the condition, the loop end to the body) merge into one loop."""
+    ``while`` loop jumps to the condition, the loop end to the body) merge into one loop.
+    Code without a backward-jump opcode (opcodes sit at even offsets of the bytecode) has none,
+    found without disassembling it (most of the code a traced step runs through)."""
+    if not _BACKWARD_OPCODES.intersection(code.co_code[::2]):
+        return ()
     line_starts = set()
     jumps = []
     for ins in dis.get_instructions(code):
@@ -433,8 +449,8 @@ class Locator:
             child = f
             f = f.f_back
         for f, child, entry in reversed(walked):
-            if _MEMO and not f.f_code.co_flags & _RESUMABLE:
-                above[f] = node
+            if _MEMO and child is not None and not f.f_code.co_flags & _RESUMABLE:
+                above[f] = node  # (a walk's first frame, the op's own, is never met again)
             if entry is not None:
                 k = (entry, node)
                 n = _nodes.get(k)
