@@ -81,7 +81,9 @@ class NewShapes:
         """This iteration's shapes of the results of `unit`, skipped whole past `shape_from`:
         a result's shape every member shares (fixed in the relaxed trace: a gradient's, by its
         variable), else TF's inference over the unit's records, each shape constant the value
-        the group's graph computes (`_current`); diverges where it cannot fix them."""
+        the group's graph computes (`_current`); diverges where it cannot fix them. The unit's
+        shapes are kept per feed signature (`_use_table`): an iteration fed the same shapes
+        takes them whole."""
         group = self.iteration.path.group
         relaxed = group.relaxed.trace.records
         refs = [r for r in unit.result if isinstance(r, OutputRef)]
@@ -93,8 +95,18 @@ class NewShapes:
                 outs[r.index] = relaxed[r.record].outputs[r.index].shape
                 self.new_shapes[r.record] = tuple(outs)
             return
+        table = self.__dict__.get("_shape_table")
+        key = ("unit", unit.start, unit.end)
+        known = table.get(key) if table is not None else None
+        if known is not None:  # (this feed signature's: found once, not per iteration)
+            self.new_shapes.update(known)
+            return
+        records = self.view.records
         for i in range(unit.start, unit.end):
-            self._infer_shapes(self._current(self.view.records[i], group))
+            self._infer_shapes(records[i])
+        if table is not None:
+            table[key] = {i: self.new_shapes[i] for i in range(unit.start, unit.end)
+                          if records[i].op_type not in HOST_OPS}
 
     def _current(self, rec, group):
         """Record `rec` with each shape constant the group's graph computes from shapes replaced
