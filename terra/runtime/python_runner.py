@@ -99,6 +99,7 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
         # from this record on, shapes are this iteration's, not the path's (`_takes_new_shape`)
         self.shape_from: Optional[int] = None
         self.new_feed = None    # (slot, dtype, shape) of a feed that diverged on its signature
+        self.data_divergence = None    # that divergence, where data handed to a unit made it
         self.new_shapes: dict = {}     # feed slot -> shape, record index -> output shapes
         self.shapes_checked: set = set()  # data-dependent shapes checked equal to the traced
         self.generic_units: set = set()   # starts of units skipped with other shapes than traced

@@ -203,6 +203,9 @@ def _feed_data_inputs(runner, want, guard, flat) -> tuple:
     recorded = runner.iteration.path.trace.feed_values
     for i, x in enumerate(flat):
         w = want[i + 2]
+        if isinstance(x, Placeholder) and isinstance(guard[i + 2], tuple):
+            x = x._terra_materialize()  # an earlier iteration's (the batch sliced after its
+            # tape: an eager twin), an external value now, as `PythonRunner._match` takes it
         if isinstance(guard[i + 2], tuple) and isinstance(w, FeedRef) and \
                 isinstance(x, (tfp.EagerTensorBase, np.ndarray)) and w.slot not in runner.fed:
             value = x
@@ -214,11 +217,32 @@ def _feed_data_inputs(runner, want, guard, flat) -> tuple:
                 value = tf.convert_to_tensor(x, spec.dtype)
             try:
                 runner.feed(w.slot, x, value)
-            except Diverged:
+            except Diverged as d:
                 runner.rollback(mark)
+                runner.data_divergence = d.divergence
                 return None
             out[i + 2] = w
     return tuple(out)
+
+
+def _switch_for_data(runner, unit) -> bool:
+    """After data handed to `unit` diverged on its signature (a batch of another length than
+    the path was traced with): switch to a compiled path traced with that signature whose unit
+    here is the same call, where the unit is skipped whole, instead of matching the call's ops
+    one by one on this path until the first of them switches anyway."""
+    d, runner.data_divergence = runner.data_divergence, None
+    if d is None or runner.new_feed is None:
+        return False
+    slot, dtype, shape = runner.new_feed
+    pos = runner.pos
+
+    def accepts(q):
+        u = q.view.units.get(pos)
+        specs = q.view.feed_specs
+        return u is not None and u.guard[:2] == unit.guard[:2] and slot < len(specs) and \
+            specs[slot].dtype == dtype and specs[slot].shape is not None and \
+            tuple(specs[slot].shape) == tuple(shape)
+    return runner.iteration.switch(d, tried={id(runner.iteration.path)}, accepts=accepts)
 
 
 def layer_call(session, layer, original, args, kwargs, loss=False):
@@ -271,9 +295,14 @@ def layer_call(session, layer, original, args, kwargs, loss=False):
         if data and unit is not None and len(unit.guard) == len(guard) and \
                 unit.guard[:2] == guard[:2]:
             with session.internal():
-                guard = _feed_data_inputs(it.runner, unit.guard, guard, flat)
-            if guard is None:
+                fed = _feed_data_inputs(it.runner, unit.guard, guard, flat)
+                if fed is None and _switch_for_data(it.runner, unit):
+                    unit = it.runner.view.units.get(it.runner.pos)  # the same call's unit
+                    guard = (id(layer), settings) + tuple(guard_of(x) for x in flat)
+                    fed = _feed_data_inputs(it.runner, unit.guard, guard, flat)
+            if fed is None:
                 return original(layer, *args, **kwargs)
+            guard = fed
         diverged = None
         if unit is not None and unit.guard == guard:
             try:
