@@ -574,6 +574,29 @@ def keras_builtin_model_layers(model):
     return layers + ops
 
 
+# Composite functions of TF's public API that a program's call makes one coarse unit of
+# (terra/runtime/units.py `api_call`): (API module path, name). Each is TF Python issuing a
+# handful of ops (shape checks, reshapes, the kernel, its masking), pure given its arguments.
+API_UNIT_FUNCTIONS = (
+    ("nn", "sigmoid_cross_entropy_with_logits"),
+    ("nn", "sparse_softmax_cross_entropy_with_logits"),
+    ("nn", "softmax_cross_entropy_with_logits"),
+)
+
+
+def api_unit_functions() -> list:
+    """(module object, attribute name) of each of `API_UNIT_FUNCTIONS` the installed TF has:
+    the public module (`tf.nn`) a program's call resolves through, so a patch there reaches the
+    program's calls (and Keras', which look it up at call time) and no TF-internal one."""
+    import tensorflow as tf
+    out = []
+    for module, name in API_UNIT_FUNCTIONS:
+        owner = getattr(tf, module, None)
+        if owner is not None and callable(getattr(owner, name, None)):
+            out.append((owner, name))
+    return out
+
+
 def keras_unit_classes() -> dict:
     """The Keras classes whose methods are coarse units (terra/tracing/hook.py's unit patches):
     "apply_gradients" -> `BaseOptimizer`, "layer" -> `Layer` (absent ones left out: another

@@ -60,6 +60,9 @@ class Config:
     user_layer_units: also match a call of a user-defined layer or model as one unit where its
         Python, watched while traced, only computed (terra/tracing/purity.py); needs
         `layer_units`.
+    api_units: match a program's call of a composite TF function (`tfp.API_UNIT_FUNCTIONS`:
+        the cross-entropies of `tf.nn`, ten ops of TF Python around each kernel) as one
+        guarded unit, as a tf.function call is.
     background_builds: build a path's graph on a builder thread while the program goes on
       (its iterations run as before it was compiled until the graph is installed, at the next
       iteration boundary). Off by default: graph construction is Python and holds the GIL, so
@@ -97,6 +100,7 @@ class Config:
     coexec_gc_threshold: int = 50000
     layer_units: bool = True
     user_layer_units: bool = True
+    api_units: bool = True
     site_graph: bool = False
     background_builds: bool = False
     shape_groups: bool = True
@@ -108,7 +112,7 @@ CONFIG = Config()
 _CHECKS = {
     "enabled": (bool,), "coexecution": (bool,), "overlap_iterations": (bool,), "xla": (bool,), "grappler": (bool,),
     "arithmetic_optimizer": (bool,), "remapper": (bool,), "constant_folding": (bool,), "layer_units": (bool,),
-    "user_layer_units": (bool,), "site_graph": (bool,),
+    "user_layer_units": (bool,), "api_units": (bool,), "site_graph": (bool,),
     "background_builds": (bool,), "shape_groups": (bool,), "commit_writes": (bool,),
     "max_traces": (int,), "max_fallbacks": (int,), "verbose": (int,), "max_trace_ops": (int,),
     "tracing_gc_threshold": (int,), "coexec_gc_threshold": (int,),

@@ -431,6 +431,58 @@ def function_call(session, fn, original, args, kwargs):
         rec.units[start] = GradUnit(start, end, guard, tuple(refs), structure=structure)
     return result
 
+def api_call(session, fn, original, args, kwargs):
+    """A program's call of a composite TF API function (`tfp.API_UNIT_FUNCTIONS`: a
+    cross-entropy, ten ops of TF Python around its kernel) as one coarse unit, guarded as a
+    tf.function call is (`_function_guard`: the function, its plain arguments by value, its
+    tensors by producer or feed, whether a tape may record) and on the tensor values its Python
+    read. Inside a built-in layer, a loss object, a gradient or an optimizer's update it is
+    theirs (no unit of its own). In skip mode a call whose guard fails runs its ops one by one,
+    as a layer's does."""
+    it = session.iteration
+    if it is None or session.internal_depth or session.layer_depth or not CONFIG.api_units \
+            or hook.active() is None or not tf.executing_eagerly():
+        return original(fn, *args, **kwargs)
+    flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True)
+    if it.mode == Mode.SKIP and it.runner.skipping:
+        runner = it.runner
+        unit = runner.view.units.get(runner.pos)
+        if unit is None or unit.guard[0] is not fn:
+            return original(fn, *args, **kwargs)
+        mark = len(runner.fed_order)
+        try:
+            with session.internal():
+                guard = _function_guard(session, it, fn, flat)
+                out = runner.gradient_unit(guard, f"call of {fn.__name__}")
+            return tf.nest.pack_sequence_as(unit.structure, out, expand_composites=True)
+        except Diverged as d:
+            runner.rollback(mark)
+            if not it.exe.gated(unit.start):
+                return original(fn, *args, **kwargs)
+            it.fallback(d.divergence)  # its ops wait for the unit's check: they never run
+    if it.mode != Mode.TRACING or it.recorder is None or not it.recorder.recording or \
+            it.recorder.in_unit:
+        return original(fn, *args, **kwargs)
+    rec = it.recorder
+    if any(isinstance(x, Placeholder) for x in flat):  # bound after a fallback
+        args, kwargs = real_values(args), real_values(kwargs)
+        flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True)
+    start = len(rec.trace.records)
+    with _unit_python(rec) as reads:
+        result = original(fn, *args, **kwargs)
+    guard = _function_guard(session, it, fn, flat)  # after the call: data arguments are feeds now
+    with _terra_reads(it):
+        outs = tf.nest.flatten(result, expand_composites=True)
+        structure = _shape_of(result)
+    refs = [rec.ref_of(t) if isinstance(t, tfp.EagerTensorBase) else None for t in outs]
+    if len(rec.trace.records) > start and not rec.too_long and \
+            not any(isinstance(g, tuple) and g[0] == "external" for g in guard[2:]) and \
+            all(r is not None for r in refs):
+        rec.units[start] = GradUnit(start, len(rec.trace.records), guard, tuple(refs),
+                                    structure=structure, reads=tuple(reads))
+    return result
+
+
 def _check_function_body(session, trace, r) -> None:
     """What the function record `r` hides: a stateful random op (a replayed graph instantiates
     its kernels anew and draws another sequence than eager). An output whose shape depends on
@@ -516,10 +568,14 @@ def _function_rule(session, fn, original, args, kwargs):
     return function_call(session, fn, original, args, kwargs)
 
 
+def _api_rule(session, fn, original, args, kwargs):
+    return api_call(session, fn, original, args, kwargs)
+
+
 # kind (terra/tracing/hook.py's unit patches) -> the rule that guards, records or skips the
 # call as one unit (`tape.gradient` comes from the Terra tape itself: `gradient` above)
 UNIT_RULES = {"apply_gradients": _apply_gradients_rule, "layer": _layer_rule,
-              "loss": _loss_rule, "function": _function_rule}
+              "loss": _loss_rule, "function": _function_rule, "api": _api_rule}
 
 
 def _past_end(d: Divergence) -> Divergence:

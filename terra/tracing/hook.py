@@ -317,6 +317,24 @@ def _wrap_unit(kind):
     return factory
 
 
+def _wrap_api_unit(orig):
+    """A composite TF API function (`tfp.API_UNIT_FUNCTIONS`) routed as a unit: the rule is
+    handed the function itself as the unit's object."""
+    def call_original(_fn, *args, **kwargs):
+        return orig(*args, **kwargs)
+
+    @_do_not_convert
+    def api_call(*args, **kwargs):
+        router = _unit_router
+        if router is None:
+            return orig(*args, **kwargs)
+        return router("api", call_original, orig, args, kwargs)
+    api_call.__wrapped__ = orig
+    api_call.__name__ = getattr(orig, "__name__", "api_call")
+    api_call.__doc__ = getattr(orig, "__doc__", None)
+    return api_call
+
+
 _layer_epoch = 0
 
 
@@ -367,6 +385,7 @@ def _unit_table():
         table.append((keras_classes["layer"], "__delattr__", _wrap_layer_delattr))
     if "loss" in keras_classes:
         table.append((keras_classes["loss"], "__call__", _wrap_unit("loss")))
+    table += [(owner, name, _wrap_api_unit) for owner, name in tfp.api_unit_functions()]
     return table
 
 
