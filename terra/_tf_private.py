@@ -584,6 +584,19 @@ API_UNIT_FUNCTIONS = (
 )
 
 
+# Methods of TF's tensor class that are such composites: indexing (`x[:, 1:]`, `x[..., 4]`:
+# the slice's begin, end and strides packed, then `StridedSlice`).
+API_UNIT_METHODS = ("__getitem__",)
+
+
+def api_unit_methods() -> list:
+    """(class, method name) of each of `API_UNIT_METHODS` on TF's `Tensor` (eager tensors and
+    Terra's placeholders inherit them)."""
+    from tensorflow.python.framework import tensor as tensor_lib
+    return [(tensor_lib.Tensor, name) for name in API_UNIT_METHODS
+            if name in tensor_lib.Tensor.__dict__]
+
+
 def api_unit_functions() -> list:
     """(module object, attribute name) of each of `API_UNIT_FUNCTIONS` the installed TF has:
     the public module (`tf.nn`) a program's call resolves through, so a patch there reaches the

@@ -61,8 +61,8 @@ class Config:
         Python, watched while traced, only computed (terra/tracing/purity.py); needs
         `layer_units`.
     api_units: match a program's call of a composite TF function (`tfp.API_UNIT_FUNCTIONS`:
-        the cross-entropies of `tf.nn`, ten ops of TF Python around each kernel) as one
-        guarded unit, as a tf.function call is.
+        the cross-entropies of `tf.nn`, ten ops of TF Python around each kernel; and
+        `API_UNIT_METHODS`: tensor indexing) as one guarded unit, as a tf.function call is.
     background_builds: build a path's graph on a builder thread while the program goes on
       (its iterations run as before it was compiled until the graph is installed, at the next
       iteration boundary). Off by default: graph construction is Python and holds the GIL, so

@@ -29,6 +29,9 @@ class GradUnit:
     reads: tuple = ()
     # a `tape.gradient`: its gradient functions read the shapes of every forward op they visit
     backprop: bool = False
+    # a call of a TF API function (units.py `api_call`): not a unit where it holds an eager
+    # twin (the next batch sliced in the tail runs eagerly, op by op, as before)
+    api: bool = False
 
 
 def barrier_records(trace: Trace, root) -> frozenset:
@@ -127,6 +130,9 @@ class PathView:
                  wanted=frozenset()):
         self.trace = trace
         self.twins = eager_twins(trace, wanted)
+        if self.twins:
+            units = {s: u for s, u in units.items()
+                     if not (u.api and any(i in self.twins for i in range(u.start, u.end)))}
         self.barriers = frozenset() if root is None else barrier_records(trace, root)
         self.end_sync = root is not None and (caller_step_try or ends_in_a_step_try(trace, root))
         self.records = trace.records

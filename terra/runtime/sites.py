@@ -379,7 +379,7 @@ def units_for(trace, units) -> dict:
         feeds = _unit_feeds(trace, u, first)
         if feeds is not None:
             out[start] = GradUnit(u.start, u.end, u.guard, u.result, feeds, u.structure, u.reads,
-                                  u.backprop)
+                                  u.backprop, u.api)
     return out
 
 

@@ -479,7 +479,7 @@ def api_call(session, fn, original, args, kwargs):
             not any(isinstance(g, tuple) and g[0] == "external" for g in guard[2:]) and \
             all(r is not None for r in refs):
         rec.units[start] = GradUnit(start, len(rec.trace.records), guard, tuple(refs),
-                                    structure=structure, reads=tuple(reads))
+                                    structure=structure, reads=tuple(reads), api=True)
     return result
 
 
@@ -511,6 +511,10 @@ def _function_guard(session, it, fn, flat) -> tuple:
             x = x._terra_materialize()  # an earlier iteration's value: external data now
         if isinstance(x, (bool, int, float, str, bytes, type(None))):
             out.append(("value", type(x).__name__, x))
+            continue
+        if x is Ellipsis or isinstance(x, slice) and all(
+                isinstance(v, (int, type(None))) for v in (x.start, x.stop, x.step)):
+            out.append(("value", type(x).__name__, x))  # an index (a slice of tensors is not)
             continue
         if not isinstance(x, (tfp.Tensor, tfp.BaseResourceVariable)) and \
                 _var_ref(x) is None:

@@ -335,6 +335,24 @@ def _wrap_api_unit(orig):
     return api_call
 
 
+def _wrap_api_method(orig):
+    """A tensor method that is such a composite (`tfp.API_UNIT_METHODS`): the tensor is the
+    call's first argument."""
+    def call_original(_fn, *args, **kwargs):
+        return orig(*args, **kwargs)
+
+    @_do_not_convert
+    def api_method(self, *args, **kwargs):
+        router = _unit_router
+        if router is None:
+            return orig(self, *args, **kwargs)
+        return router("api", call_original, orig, (self,) + args, kwargs)
+    api_method.__wrapped__ = orig
+    api_method.__name__ = getattr(orig, "__name__", "api_method")
+    api_method.__doc__ = getattr(orig, "__doc__", None)
+    return api_method
+
+
 _layer_epoch = 0
 
 
@@ -386,6 +404,7 @@ def _unit_table():
     if "loss" in keras_classes:
         table.append((keras_classes["loss"], "__call__", _wrap_unit("loss")))
     table += [(owner, name, _wrap_api_unit) for owner, name in tfp.api_unit_functions()]
+    table += [(owner, name, _wrap_api_method) for owner, name in tfp.api_unit_methods()]
     return table
 
 

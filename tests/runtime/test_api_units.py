@@ -1,9 +1,11 @@
 """A program's call of a composite TF API function is one coarse unit (terra/runtime/units.py
-`api_call`, `_tf_private.API_UNIT_FUNCTIONS`).
+`api_call`, `_tf_private.API_UNIT_FUNCTIONS` and `API_UNIT_METHODS`).
 
 `tf.nn.sparse_softmax_cross_entropy_with_logits` and its kin are TF Python around one kernel
 (shape checks, reshapes, masking: up to fifteen ops). Called by the program under a tape, each
-call is recorded as a unit and skipped whole in later iterations: its Python does not run. A
+call is recorded as a unit and skipped whole in later iterations: its Python does not run; so
+is indexing a tensor (`x[:, 1:]`), except the slice of the next batch in an iteration's tail,
+which stays an eager twin. A
 call whose guard fails (another plain argument) runs its ops one by one; inside a Keras loss
 object the call belongs to the loss's unit. Every program equals eager bit for bit, and an op
 error inside a skipped unit is eager's exception at the user's line."""
@@ -94,6 +96,7 @@ def test_cross_entropies_called_by_the_program_are_skipped_whole(monkeypatch):
     # their Python ran in the three traced steps only
     assert (len(sig), len(sparse)) == (3, 3)
     assert _api_units().count("sigmoid_cross_entropy_with_logits_v2") == 2
+    assert _api_units().count("_slice_helper") == 4  # `out[:, 0]`, `out[:, 1:]`, two paths
 
 
 def test_without_api_units_their_ops_are_matched_one_by_one(monkeypatch):
@@ -131,6 +134,73 @@ def test_another_function_where_a_unit_stands_leaves_the_path():
     # matched one by one, leave the path at its first (one fallback); the new path is
     # built at once
     c.assert_counts(traces=4, graph_builds=2, fallbacks=1)
+
+
+def _matched_one_by_one(monkeypatch):
+    """Op types skip mode matches one by one (not inside a skipped unit)."""
+    from terra.runtime.python_runner import PythonRunner
+    seen = []
+    original = PythonRunner.op
+
+    def op(self, op_type, inputs, attrs, route, run):
+        if self.skipping:
+            seen.append(op_type)
+        return original(self, op_type, inputs, attrs, route, run)
+    monkeypatch.setattr(PythonRunner, "op", op)
+    return seen
+
+
+@pytest.mark.parametrize("api_units", [True, False])
+def test_indexing_a_tensor_is_a_unit(monkeypatch, api_units):
+    eager = _detector(tf.GradientTape)
+    seen = _matched_one_by_one(monkeypatch)
+    old = terra.config(api_units=api_units)
+    try:
+        with CompileCounter() as c:
+            got = _detector(tf.TerraGradientTape)
+    finally:
+        terra.config(**old)
+    _assert_same(got, eager)
+    c.assert_counts(traces=3, graph_builds=1, fallbacks=0)
+    # `out[:, 0]` and `out[:, 1:]`: two slices per step, in the five skipped steps
+    assert seen.count("StridedSlice") == (0 if api_units else 2 * 5)
+    assert _api_units().count("_slice_helper") == (4 if api_units else 0)
+
+
+def _tail_batches(Tape, lengths=(6, 6, 6, 6, 6, 6)):
+    """The next batch sliced after the step's block (eager twins in skip mode)."""
+    keras.utils.set_random_seed(0)
+    dense = keras.layers.Dense(3)
+    opt = keras.optimizers.SGD(0.1)
+    rng = np.random.default_rng(0)
+    full = [tf.constant(rng.normal(size=(2, n + 1, 4)), tf.float32) for n in lengths]
+    x = full[0][:, :-1]
+    losses = []
+    for k in range(len(lengths)):
+        with Tape() as tape:
+            loss = tf.reduce_mean(dense(x) ** 2)
+        grads = tape.gradient(loss, dense.trainable_variables)
+        opt.apply_gradients(zip(grads, dense.trainable_variables))
+        losses.append(float(loss))
+        if k + 1 < len(lengths):
+            x = full[k + 1][:, :-1]
+    terra.end_iteration()
+    return losses, [v.numpy() for v in dense.variables]
+
+
+@pytest.mark.parametrize("api_units", [True, False])
+def test_a_slice_of_the_next_batch_stays_an_eager_twin(api_units):
+    eager = _tail_batches(tf.GradientTape)
+    old = terra.config(api_units=api_units)
+    try:
+        with CompileCounter() as c:
+            got = _tail_batches(tf.TerraGradientTape)
+    finally:
+        terra.config(**old)
+    _assert_same(got, eager)
+    # the slice of the next batch runs eagerly beside the graph in the tail of the skipped
+    # iterations 4 and 5 (the last one has none), with API units as without
+    c.assert_counts(traces=3, graph_builds=1, fallbacks=0, eager_twins=2)
 
 
 def test_inside_a_keras_loss_the_call_is_the_losss():
@@ -197,3 +267,7 @@ def test_the_functions_are_where_the_hook_patches_them():
         [name for _, name in tfp.API_UNIT_FUNCTIONS]
     for owner, name in tfp.api_unit_functions():
         assert owner is getattr(tf, "nn") and callable(getattr(owner, name))
+    assert [name for _, name in tfp.api_unit_methods()] == list(tfp.API_UNIT_METHODS)
+    for owner, name in tfp.api_unit_methods():
+        method = owner.__dict__[name]
+        assert getattr(method, "__wrapped__", method).__name__ == "_slice_helper"
