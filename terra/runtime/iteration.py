@@ -464,11 +464,11 @@ class Iteration(IterationEnd):
                 for key in later:
                     watches.setdefault(key, []).append(tape)
             group = self.path.group
-            # past a feed of a new shape, the shape constants the group's graph computes are
-            # computed anew (the member's are its traced length's)
-            rewrite = None if runner.shape_from is None or group is None \
-                else lambda rec, shape_of: (rec if rec.index < runner.shape_from else
-                                            current_record(group, rec, shape_of) or rec)
+            # the shape constants the group's graph computes are computed anew from the shapes
+            # replayed (the member's are its traced length's): past a feed of a new shape, and
+            # anywhere a length set by the data (`tf.where`) differs from the member's
+            rewrite = None if group is None else \
+                lambda rec, shape_of: current_record(group, rec, shape_of) or rec
             replay = EagerReplay(self.path.trace, runner.fed, self.tape_spans, watches, pre_watch,
                                  rewrite)
             upto, error = runner.pos, None

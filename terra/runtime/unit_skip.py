@@ -13,7 +13,7 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
-from terra.ir.records import ConstRef
+from terra.ir.records import ConstRef, OutputRef
 from terra.runtime.divergence import Diverged, Divergence, user_line
 
 __all__ = ["UnitSkipping", "UNSET"]
@@ -71,6 +71,8 @@ class UnitSkipping:
                     break
         if self.shape_from is not None and unit.start >= self.shape_from:
             self.unit_result_shapes(unit)  # (past a feed of a new shape: this iteration's)
+        elif unit.start in self.generic_units:
+            self._generic_result_shapes(unit)
         self.last_unit = unit
         self.iteration.open_gate(unit.start)
         self.pos = unit.end
@@ -131,6 +133,24 @@ class UnitSkipping:
             # its Python are answered as traced, not fetched (its ops wait for this check)
             self.shapes_checked.update(r for r in unknown if unit.start <= r.record < unit.end)
         return changed
+
+    def _generic_result_shapes(self, unit) -> None:
+        """The results of `unit`, skipped with an input of another length set by the data than
+        traced (`generic_units`), claim the group graph's shapes where those leave a dimension
+        open: the member's recorded ones hold for its traced length only (a gradient's values
+        tiled by a `tf.where`'s length, by multiples the graph computes from it)."""
+        shapes = self.iteration.path.group.graph.shapes
+        for r in unit.result:
+            if not isinstance(r, OutputRef) or r.record in self.new_shapes:
+                continue
+            outs = self.view.records[r.record].outputs
+            claimed = []
+            for j, spec in enumerate(outs):
+                graph = shapes.get(OutputRef(r.record, j))
+                open_dims = graph is not None and graph.rank is not None and \
+                    not graph.is_fully_defined()
+                claimed.append(tuple(graph.as_list()) if open_dims else spec.shape)
+            self.new_shapes[r.record] = tuple(claimed)
 
     def _runs_with_new_shape(self, unit, ref, traced, shape) -> bool:
         """Whether `unit` may be skipped although its input `ref` has `shape`, not the traced

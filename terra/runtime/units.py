@@ -158,6 +158,11 @@ def apply_gradients(session, opt, original, grads_and_vars):
     with _terra_reads(it):
         flat = tf.nest.flatten([g for g, _ in pairs], expand_composites=True) + \
             ["|"] + [v for _, v in pairs]
+    if it.mode == Mode.SKIP and it.runner.view.units.get(it.runner.pos) is None and \
+            it.runner.pos < it.runner.view.n:
+        # no unit here (a sparse update's row filter has a length set by the data:
+        # `sites.units_for`): its ops are matched one by one, their constants checked
+        return original(opt, pairs)
     if it.mode == Mode.SKIP:
         n = len(flat) - len(pairs) - 1  # the "|" before the variables
         guard = (id(opt), settings) + tuple(

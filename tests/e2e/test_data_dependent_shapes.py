@@ -233,3 +233,60 @@ def test_every_count_runs_on_one_graph_that_computes_the_gradients_constants():
     (g,) = [g for s in SESSION.sites.values() for g in s.shape_groups]
     assert set(g.derived) == set(g.relaxed.const_sites) and len(g.derived) == 3
     assert "computed from shapes" in terra.explain()
+
+
+def _sparse_rows(Tape, counts, halve_at=None):
+    """An optimizer's sparse update of the rows a `tf.where` keeps (an `IndexedSlices`
+    gradient, whose update filters rows by a length set by the data); at step `halve_at` the
+    program halves the gradient before the update (a new branch after `tape.gradient`)."""
+    v = tf.Variable(tf.ones((8,)))
+    opt = keras.optimizers.SGD(0.1)
+    rng = np.random.default_rng(0)
+    data = []
+    for n in counts:
+        y = np.concatenate([rng.uniform(0.1, 1.0, n), -rng.uniform(0.1, 1.0, 8 - n)])
+        data.append(tf.constant(np.stack([rng.permutation(y), rng.normal(size=8)], 1),
+                                tf.float32))
+    out = []
+    for i, y in enumerate(data):
+        with Tape() as tape:
+            idx = tf.where(y[:, 0] > 0.0)[:, 0]
+            loss = tf.reduce_sum(tf.gather(v, idx) * tf.gather(y[:, 1], idx))
+        grad = tape.gradient(loss, v)
+        if i == halve_at:
+            grad = tf.IndexedSlices(grad.values * 0.5, grad.indices, grad.dense_shape)
+        opt.apply_gradients([(grad, v)])
+        out.append(float(loss))
+    terra.end_iteration()
+    return out, v.numpy().tolist()
+
+
+def test_a_sparse_optimizer_update_of_a_data_set_length_runs_its_ops_one_by_one():
+    """The update's unit is dropped (its row filter has a length set by the data): its ops
+    are matched one by one, in every step; before, every step fell back there."""
+    counts = [3, 2, 4] * 4
+    eager = _sparse_rows(tf.GradientTape, counts)
+    with CompileCounter() as c:
+        got = _sparse_rows(tf.TerraGradientTape, counts)
+    assert got == eager, terra.explain()
+    if terra.config()["site_graph"]:
+        return  # (a path per count there; counted by the tests above)
+    # counts 3 and 2 form the group; the third step learns the fetch of the loss
+    c.assert_counts(traces=3, graph_builds=2, fallbacks=1)
+
+
+def test_a_fallback_after_the_gradient_on_a_count_no_member_has():
+    """Count 5 first comes with a new branch after `tape.gradient`: the gradient's results
+    claim the graph's shapes (a length set by the data, through the tile multiples the graph
+    computes from it), not a member's, and the fallback replays the gradient's ops on this
+    step's count with their shape constants computed from the shapes replayed (before, both
+    took a member's: a shape error eager does not raise)."""
+    counts = [3, 2, 4, 3, 2, 4, 5, 3]
+    eager = _sparse_rows(tf.GradientTape, counts, halve_at=6)
+    with CompileCounter() as c:
+        got = _sparse_rows(tf.TerraGradientTape, counts, halve_at=6)
+    assert got == eager, terra.explain()
+    if terra.config()["site_graph"]:
+        return
+    # the halving branch is a new path (traced at its fallback and built)
+    c.assert_counts(traces=4, graph_builds=3, fallbacks=2)
