@@ -362,9 +362,11 @@ KNOWN_REUSE_GAP = 4
 def units_for(trace, units) -> dict:
     """Copies of the recorded units with the feeds first used inside each (for this trace);
     units that read a non-tensor feed first inside, or hold a host op or an op whose output
-    length depends on values, are dropped."""
+    length depends on values, are dropped; so is a TF API call (`GradUnit.api`) on a value of
+    such a length (`tf.where(m)[:, 0]`): skipped whole it would wait for that length to check
+    it, its ops matched one by one do not."""
     out = {}
-    first = None
+    first = dependent = None
     for start, u in units.items():
         if any(r.op_type in HOST_OPS for r in trace.records[u.start:u.end]):
             continue  # skipping the unit whole would skip a host op Python must run
@@ -374,12 +376,29 @@ def units_for(trace, units) -> dict:
             # ops from it, which no guard checks: its ops are matched one by one (their
             # constants are checked). A Keras optimizer's sparse update filters its rows so.
             continue
+        if u.api:
+            if dependent is None:
+                dependent = _data_dependent_records(trace)
+            if any(isinstance(r, OutputRef) and r.record in dependent
+                   for rec in trace.records[u.start:u.end] for r in rec.input_refs()):
+                continue
         if first is None:
             first = _first_uses(trace)
         feeds = _unit_feeds(trace, u, first)
         if feeds is not None:
             out[start] = GradUnit(u.start, u.end, u.guard, u.result, feeds, u.structure, u.reads,
                                   u.backprop, u.api)
+    return out
+
+
+def _data_dependent_records(trace) -> set:
+    """Records whose outputs may have a length that depends on values: the ops of
+    `DATA_DEPENDENT_SHAPE_OPS` and every record downstream of one (conservatively)."""
+    out = set()
+    for rec in trace.records:
+        if rec.op_type in DATA_DEPENDENT_SHAPE_OPS and rec.route != "function" or any(
+                isinstance(r, OutputRef) and r.record in out for r in rec.input_refs()):
+            out.add(rec.index)
     return out
 
 

@@ -203,6 +203,37 @@ def test_a_slice_of_the_next_batch_stays_an_eager_twin(api_units):
     c.assert_counts(traces=3, graph_builds=1, fallbacks=0, eager_twins=2)
 
 
+def test_an_index_of_a_value_of_data_dependent_length_is_matched_one_by_one():
+    """`tf.where(m)[:, 0]`: skipped whole, the slice would wait for the mask's count to check
+    its input's shape; matched one by one, its placeholder takes the graph's unknown length."""
+    def run(Tape):
+        v = tf.Variable(tf.ones((6,)))
+        opt = keras.optimizers.SGD(0.1)
+        rng = np.random.default_rng(0)
+        data = [tf.constant(rng.normal(size=(6, 2)), tf.float32) for _ in range(3)]
+        losses = []
+        for i in range(9):
+            y = data[i % 3]
+            with Tape() as tape:
+                idx = tf.where(y[:, 0] > 0.0)[:, 0]
+                loss = tf.reduce_sum(tf.gather(v, idx) * tf.gather(y[:, 1], idx))
+            opt.apply_gradients([(tape.gradient(loss, v), v)])
+            losses.append(float(loss))
+        terra.end_iteration()
+        return losses, [v.numpy()]
+    eager = run(tf.GradientTape)
+    with CompileCounter() as c:
+        got = run(tf.TerraGradientTape)
+    _assert_same(got, eager)
+    # counts 3 and 2 form the group; step 3 learns the fetch of the loss, and step 4 (a count
+    # skipped on another member's gradient unit, whose results claim the graph's open length)
+    # the fetch of the gradient's indices, whose length the sparse update reads
+    c.assert_counts(traces=4, graph_builds=3, fallbacks=2)
+    # `y[:, 0]` and `y[:, 1]` are units on every path; `tf.where(...)[:, 0]` is not
+    paths = sum(len(s.paths) for s in SESSION.sites.values())
+    assert _api_units().count("_slice_helper") == 2 * paths
+
+
 def test_inside_a_keras_loss_the_call_is_the_losss():
     def run(Tape):
         keras.utils.set_random_seed(0)
