@@ -438,12 +438,13 @@ def function_call(session, fn, original, args, kwargs):
 
 def api_call(session, fn, original, args, kwargs):
     """A program's call of a composite TF API function (`tfp.API_UNIT_FUNCTIONS`: a
-    cross-entropy, ten ops of TF Python around its kernel) as one coarse unit, guarded as a
-    tf.function call is (`_function_guard`: the function, its plain arguments by value, its
-    tensors by producer or feed, whether a tape may record) and on the tensor values its Python
-    read. Inside a built-in layer, a loss object, a gradient or an optimizer's update it is
-    theirs (no unit of its own). In skip mode a call whose guard fails runs its ops one by one,
-    as a layer's does."""
+    cross-entropy, ten ops of TF Python around its kernel; `API_UNIT_METHODS`: indexing a
+    tensor, the tensor its first argument) as one coarse unit, guarded as a tf.function call is
+    (`_function_guard`: the function, its plain arguments and index by value, its tensors by
+    producer or feed, whether a tape may record) and on the tensor values its Python read.
+    Inside a built-in layer, a loss object, a gradient or an optimizer's update it is theirs (no
+    unit of its own). In skip mode a call whose guard fails runs its ops one by one, as a
+    layer's does."""
     it = session.iteration
     if it is None or session.internal_depth or session.layer_depth or not CONFIG.api_units \
             or hook.active() is None or not tf.executing_eagerly():
