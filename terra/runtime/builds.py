@@ -30,7 +30,8 @@ __all__ = ["Builds"]
 
 
 class Builds:
-    def __init__(self, *, sites: dict, counters, graphs: list, event, internal, go_eager):
+    def __init__(self, *, sites: dict, counters, graphs: list, event, internal, go_eager,
+                 warm=None):
         self.sites = sites
         self.counters = counters
         self.graphs = graphs        # every graph built (drained after a failed run)
@@ -38,6 +39,9 @@ class Builds:
         self.internal = internal    # context: Terra's own TF calls, not intercepted
         self.go_eager = go_eager    # go_eager(site, iteration number, reason)
         self.builder = Builder()    # graphs built off the critical path
+        # warm(fn, config): instantiate a new graph's function ahead of its first run
+        # (GraphRunner.warm), while the program's thread goes on
+        self.warm = warm
 
     def build(self, site, path, number, reuse_only=False):
         """Give `path` a graph: another path's over its variables, or its own, built here or
@@ -226,7 +230,7 @@ class Builds:
             g.graph = gp.graph = graph
             for m in g.members:
                 self._attach(site, g, m)
-        self.graphs.append(graph)
+        self._built(graph)
         self.counters.graph_builds += 1
         site.builds += 1
         self.event("graph_build", site, number,
@@ -241,7 +245,7 @@ class Builds:
         path.graph = graph
         path.built_for = key
         path.built_count = path.built_count or path.count
-        self.graphs.append(graph)
+        self._built(graph)
         self.counters.graph_builds += 1
         site.builds += 1
         self.event("graph_build", site, number,
@@ -252,6 +256,12 @@ class Builds:
                       if graph.xla_spans else "")
                    + f"{seconds:.2f} s{where}")
         self.site_graph(site, number)
+
+    def _built(self, graph) -> None:
+        self.graphs.append(graph)
+        if self.warm is not None:
+            with self.internal():
+                self.warm(graph.concrete, graph.run_config)
 
     def install_finished(self) -> None:
         """Put the graphs the builder has finished in place (at an iteration boundary). A build
@@ -325,7 +335,7 @@ class Builds:
                        f"{type(e).__name__}: {str(e)[:200]}; paths switch by restarting")
             return
         site.site_graph = sg
-        self.graphs.append(sg)
+        self._built(sg)
         self.counters.graph_builds += 1
         self.event("graph_build", site, number, f"site graph (switch_case / while_loop) for "
                    f"{sg.describe()}, {sg.build_seconds:.2f} s; branches switch without a "

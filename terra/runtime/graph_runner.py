@@ -17,6 +17,12 @@ next sync point (`result`, `check`, `fetch`) as the same exception type eager wo
 (the runtime maps graph node names back to recorded ops and user source lines). Node names follow
 `op_node_name(index)`; `op_index_of(node_name)` parses them back.
 
+Instantiation: a function's first call instantiates it (Grappler, partitioning, the executor's
+set-up), about as long again as a run of a fresh training graph. `warm(fn)` queues that first
+call between runs, under a manager already cancelled: TF instantiates the function, then stops
+before any op runs ("cancelled before it was started"), so the run that follows (a later step's)
+starts on an instantiated function while the program's thread goes on meanwhile.
+
 Timing: `exec_seconds` is the wall time of runs on the worker; graph stall (waiting on feeds) is
 measured inside the graph by timed FeedChannels; Python stall is the time spent in
 `FetchChannel.get`. `timing(...)` gathers all three.
@@ -143,6 +149,7 @@ class GraphRunner:
         self.name = name
         self.exec_seconds = 0.0
         self.runs_finished = 0
+        self.warmed = 0     # functions `warm` instantiated ahead of their first run
         self._runs = collections.deque()   # started and not yet consumed by result()
         self._work = collections.deque()   # not yet picked up by the worker
         self._cv = threading.Condition()
@@ -168,7 +175,14 @@ class GraphRunner:
                         self._thread = None  # idle: let the thread end; restarted on demand
                         return
                 run = self._work.popleft()
-                run.state = "running"
+                if run.index is None:  # a warm-up (`warm`), not a run anyone waits for
+                    warm = run
+                else:
+                    warm = None
+                    run.state = "running"
+            if warm is not None:
+                self._instantiate(warm)
+                continue
             t0 = time.perf_counter()
             try:
                 if run.before is not None and not run.cancel_requested:
@@ -189,6 +203,14 @@ class GraphRunner:
                 run._done.set()
                 self._cv.notify_all()
 
+    def _instantiate(self, warm):
+        try:
+            self._call(warm)
+        except tf.errors.CancelledError:
+            self.warmed += 1  # instantiated; no op ran
+        except Exception:  # noqa: BLE001 - the real run reports whatever this raised
+            pass
+
     def _call(self, run):
         if run.config is not None:
             with tfp.function_call_config(run.config):
@@ -204,6 +226,8 @@ class GraphRunner:
     def shutdown(self, timeout=None):
         """Cancel every run and end the worker thread, waiting for it (bounded): used at
         interpreter exit. A later `start` starts a worker again."""
+        with self._cv:  # warm-ups are for runs to come: none will
+            self._work = collections.deque(r for r in self._work if r.index is not None)
         self.cancel(timeout=timeout)
         with self._cv:
             self._closing = True
@@ -235,6 +259,18 @@ class GraphRunner:
             self._ensure_thread()
             self._cv.notify_all()
         return run
+
+    def warm(self, fn, config=None) -> None:
+        """Queue the first instantiation of ConcreteFunction `fn` (taking no arguments but its
+        captures) with the run config `config` its runs will have: the worker does it after the
+        runs queued before, with no op run and nothing to consume (see the module docstring).
+        Harmless when `fn` is instantiated already: the call then returns at once."""
+        warm = GraphRun(None, fn, (), config=config)
+        warm.manager.start_cancel()
+        with self._cv:
+            self._work.append(warm)
+            self._ensure_thread()
+            self._cv.notify_all()
 
     @property
     def done(self):

@@ -86,7 +86,8 @@ class Session:
         self.function_ops: dict = {}     # function name -> op types in its body
         self.roles = VariableRoles()      # where each variable was made (roles.py)
         self.builds = Builds(sites=self.sites, counters=self.counters, graphs=self._graphs,
-                             event=self.event, internal=self.internal, go_eager=self._go_eager)
+                             event=self.event, internal=self.internal, go_eager=self._go_eager,
+                             warm=self.runner.warm)
         self.filing = Filing(builds=self.builds, counters=self.counters, event=self.event,
                              go_eager=self._go_eager)
         self.inflight = InFlight(runner=self.runner, graphs=self._graphs, internal=self.internal,
