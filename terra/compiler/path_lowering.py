@@ -26,6 +26,9 @@ has checked them: their ops wait for a token on the span's gate channel (`gate_c
 which Python puts when the unit's guard holds (a gradient whose ops were built from a shape the
 graph cannot know before it runs would otherwise run, and may fail, with another shape).
 
+`held` names live-outs Python computes itself (the runtime's eager twins): they are the
+function's outputs, but not fetched early.
+
 `commit`: the graph's writes wait for a token on `commit_channel`, which Python puts once the
 iteration has stayed on its path (terra/compiler/commit.py); `commit_dependent` names the
 fetched values that wait for it too. Where the graph cannot be gated, `commit_channel` is None.
@@ -48,7 +51,7 @@ class LoweredPath:
     records after which Python reads it; `liveouts`: refs returned, in this order."""
 
     def __init__(self, trace, fetch_points: dict, liveouts, xla_scopes: bool = False,
-                 gates=None, bundled=(), derived=None, commit=False):
+                 gates=None, bundled=(), derived=None, commit=False, held=frozenset()):
         self.trace = trace
         # commit-gated writes (compiler/commit.py): the channel Python puts the commit token on
         # (None: not gated), and the fetched refs whose values wait for it
@@ -78,7 +81,7 @@ class LoweredPath:
         # sliced for the next step after the tape's block) and then needs not wait for the run
         # to end.
         for ref in self.liveouts:
-            if ref not in fetched and trace.records[ref.record].outputs[
+            if ref not in fetched and ref not in held and trace.records[ref.record].outputs[
                     ref.index].dtype not in ("resource", "variant"):
                 self.fetch_at.setdefault(len(trace.records), []).append(ref)
         self.xla_spans = 0

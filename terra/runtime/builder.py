@@ -37,6 +37,7 @@ class BuildInputs:
         self.fetch_points = dict(path.fetch_points)
         self.outside_reads = set(path.outside_reads)
         self.liveouts = set(path.liveouts)
+        self.twin_misses = set(path.twin_misses)
         self.static = path.static
         self.id = path.id
 
@@ -45,7 +46,7 @@ class BuildInputs:
 
     def build_key(self) -> tuple:
         return (frozenset(self.liveouts), frozenset(self.fetch_points),
-                frozenset(self.outside_reads))
+                frozenset(self.outside_reads), frozenset(self.twin_misses))
 
 
 @dataclass

@@ -219,9 +219,11 @@ class Builds:
             units = [m.usable_units() for m in g.members]
             gp.units = {s: u for s, u in units[0].items()
                         if all((o.get(s) or u).end == u.end and s in o for o in units[1:])}
+            # (its view's eager twins come from what it wants: set that first)
+            gp.fetch_points, gp.outside_reads, gp.liveouts = fetch_points, set(fetch_points), liveouts
+            gp.twin_misses = {r for m in g.members for r in m.twin_misses}
             gp.view = PathView(gp.trace, gp.units, site.key, site.caller_step_try,
                                gp.wanted())
-            gp.fetch_points, gp.outside_reads, gp.liveouts = fetch_points, set(fetch_points), liveouts
             # constants the graph computes from the shapes it holds are put by no member
             g.derived = derive(g.relaxed, [m.trace for m in g.members])
             graph = PathGraph(gp, unknown=g.unknown, derived=g.derived,

@@ -320,6 +320,8 @@ class Iteration(IterationEnd):
                         # this path's next build fetches it too: a value Python read once
                         # (every tenth step, say) is read again, and then needs no fallback
                         self.path.absorb_fetch(ref, self.runner.pos)
+                        if self.path.view is not None and ref.record in self.path.view.twins:
+                            self.path.twin_misses.add(ref)
                     self.fallback(Divergence(user_line(), "no fetch", f"fetch of %{ref.record}",
                                              self.runner.pos, "value needed by Python that the "
                                              "graph does not fetch"))

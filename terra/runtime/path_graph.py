@@ -27,17 +27,24 @@ def skip_fetch_points(path) -> dict:
     `apply_gradients` the dense shape of an IndexedSlices gradient); fetched anyway, those values
     would be left unread every step. A value also read outside units is fetched: that includes
     a read skip mode made (a unit not matched whole runs its Python op by op), which is logged
-    as such and brings the value in with the next build."""
+    as such and brings the value in with the next build.
+
+    An eager twin's value (`PathView.twins`) is not fetched: skip mode runs its op eagerly
+    and holds the result, so a fetched copy would be left unread every step (the next batch
+    sliced after the tape: two enqueues, and a call dropping them, per step). A read that found
+    the twin without its value (`Path.twin_misses`) fetches it after all."""
     units = (path.view.units if path.view is not None else path.usable_units()).values()
     spans = [(u.start, u.end) for u in units]
     view = path.view
+    twins = view.twins if view is not None else frozenset()
     # values skip mode checks before a unit, once it has checked the shapes the unit read
     checked = {r for u in units for r, _ in u.reads if isinstance(r, OutputRef) and
                path.static.get(r, frozenset(view.shapes_read_by(u)) if view is not None
                                else frozenset()) is None}
     return {ref: after for ref, after in path.fetch_points.items()
-            if ref in path.outside_reads or ref in checked or
-            not any(a <= after <= b for a, b in spans)}
+            if (ref.record not in twins or ref in path.twin_misses) and
+            (ref in path.outside_reads or ref in checked or
+             not any(a <= after <= b for a, b in spans))}
 
 
 def _unit_shape_checks(path, unknown) -> dict:
@@ -82,8 +89,11 @@ class PathGraph:
         if guess or unknown is not None and path.static.unknown_pending():
             path.static.assume_unknown(unknown or ())  # (a shape group's: its members')
         fetch_points = skip_fetch_points(path)
+        twins = path.view.twins if path.view is not None else frozenset()
+        held = frozenset(r for r in path.liveouts
+                         if r.record in twins and r not in path.twin_misses)
         lowered = LoweredPath(path.trace, fetch_points, path.liveouts, CONFIG.xla,
-                              bundled=bundled, derived=derived, commit=commit)
+                              bundled=bundled, derived=derived, commit=commit, held=held)
         if unknown is None:
             unknown = frozenset(r for r, s in lowered.shapes.items() if not s.is_fully_defined())
         if guess and unknown:
@@ -91,7 +101,7 @@ class PathGraph:
         gates = _unit_shape_checks(path, unknown)  # (adds the fetch points the checks read)
         if gates or skip_fetch_points(path) != fetch_points:
             lowered = LoweredPath(path.trace, skip_fetch_points(path), path.liveouts, CONFIG.xla,
-                                  gates, bundled, derived, commit)
+                                  gates, bundled, derived, commit, held)
         self.gate_channels = lowered.gate_channels
         # the writes wait for Python's commit (None: a snapshot before every run instead)
         self.commit_channel = lowered.commit_channel

@@ -148,6 +148,9 @@ class Path:
     last_seen: int = 0       # the iteration that last filed it
     built_count: int = 0     # its sightings when its own graph was first installed (1: at first sight)
     first_hit: int | None = None  # the first iteration its graph served
+    # eager twins' values a read found without their eager value: the graph fetches these after
+    # all (`skip_fetch_points`)
+    twin_misses: set = field(default_factory=set)
 
     @functools.cached_property
     def static(self) -> StaticValues:
@@ -244,7 +247,7 @@ class Path:
     def build_key(self) -> tuple:
         """What the path's graph depends on beyond its trace."""
         return (frozenset(self.liveouts), frozenset(self.fetch_points),
-                frozenset(self.outside_reads))
+                frozenset(self.outside_reads), frozenset(self.twin_misses))
 
 
 # A site whose compiled iterations started on a wrong path at least HOLD_MISSES times in the latest

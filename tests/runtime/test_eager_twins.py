@@ -109,3 +109,37 @@ def test_a_read_of_an_eager_twin_is_a_read_in_the_trace_of_a_fallback(read):
     # on with no fallback at the host op (without the read in its trace: one more trace,
     # fallback and build there); the last fallback is the block ending inside an iteration
     c.assert_counts(traces=4, fallbacks=2, graph_builds=3, path_switches=0)
+
+
+def test_the_graph_fetches_no_twin_and_one_found_without_its_value_is_fetched_after_all(
+        monkeypatch):
+    """What eager twins compute is not fetched (a fetched copy would be left unread every step).
+    Should a twin be found without its value where Python reads it (here one twin is made to
+    skip its eager run once, at iteration 7), that iteration falls back at the read, the path
+    learns the fetch (`Path.twin_misses`) and its next build fetches it: later iterations run
+    compiled again, and every value equals eager's."""
+    import terra
+    from terra.runtime import python_runner
+
+    eager = _host_op_program(tf.GradientTape, read=True)
+    real = python_runner.PythonRunner._run_twin
+    state = {"skipped": False}
+
+    def skip_once(self, outs, inputs, route, run):
+        if self.iteration.number == 7 and not state["skipped"]:
+            state["skipped"] = True
+            return None
+        return real(self, outs, inputs, route, run)
+
+    monkeypatch.setattr(python_runner.PythonRunner, "_run_twin", skip_once)
+    with CompileCounter() as c:
+        got = _host_op_program(tf.TerraGradientTape, read=True)
+        paths = [p for s in terra._SESSION.sites.values() for p in s.paths.values()]
+        fetched = {r for p in paths if p.graph is not None for r in p.graph.fetch_channels}
+        twins = {r for p in paths if p.view is not None for r in p.view.twins}
+        misses = {r for p in paths for r in p.twin_misses}
+    assert state["skipped"]
+    assert got[0] == eager[0] and (got[1].numpy() == eager[1].numpy()).all(), terra.explain()
+    assert misses and {r.record for r in misses} <= twins
+    assert {r.record for r in fetched} & twins == {r.record for r in misses}
+    c.assert_counts(traces=5, fallbacks=3, graph_builds=4, path_switches=0)
