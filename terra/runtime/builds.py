@@ -277,6 +277,13 @@ class Builds:
                 self.go_eager(site, job.number, f"building the graph of path p{path.id} "
                               f"raised {type(error).__name__}: {error}")
                 continue
+            if path.group is not None:
+                # it joined a shape group while its own graph was built: the group's graph
+                # serves it (a member's runs put the group's constants, which its own graph lacks)
+                self.event("graph_build", site, job.number, f"the graph built for path "
+                           f"p{path.id} on the builder thread is dropped: the path has joined "
+                           f"shape group g{path.group.id} meanwhile, whose graph runs it")
+                continue
             graph = job.future.result()
             job.merge_into(path)
             self.install(site, path, graph, job.inputs.build_key(), job.number, job.seconds,

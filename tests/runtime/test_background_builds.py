@@ -172,3 +172,55 @@ def test_the_interpreter_exits_cleanly_with_a_build_in_flight():
                          env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "jobs 1" in out.stdout
+
+
+def _lengths_program(Tape, batches, on_step=None):
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    opt = keras.optimizers.SGD(0.05)
+    rng = np.random.default_rng(1)
+    losses = []
+    for n in batches:
+        x = tf.constant(rng.normal(size=(n, 3)).astype("float32"))
+        with Tape() as tape:  # (a multiple no shape gives: a constant the group's runs put)
+            loss = tf.reduce_mean(model(tf.tile(x, [1 if n == 4 else 2, 1])) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        losses.append(float(loss))
+        if on_step is not None:
+            on_step(len(losses) - 1)
+    terra.end_iteration()
+    return losses, [v.numpy() for v in model.variables]
+
+
+def test_a_path_that_joins_a_shape_group_while_its_graph_is_built_runs_the_groups(monkeypatch):
+    """Batches of 4 rows, one of 6 at step 3. The 4-row path's build is submitted when iteration
+    2 ends and waits behind the gate; the 6-row path, traced at step 3, forms a shape group with
+    it when that iteration ends (at step 4's tape), and the group's graph is built at once on
+    the program's thread. The gate opens after step 4, and the 4-row path's own graph, done
+    then, is dropped: a member runs the group's graph (it puts the group's constants, which its
+    own graph has no channel for; installed, that graph failed step 5 with an IndexError).
+    Steps 4-9 run compiled, equal to eager."""
+    batches = [4, 4, 4, 6] + [4] * 6
+    eager = _lengths_program(tf.GradientTape, batches)
+    gate = threading.Event()
+    real = builds_module.PathGraph
+
+    def gated(*args, **kwargs):
+        if threading.current_thread().name.startswith("terra-builder"):
+            gate.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(builds_module, "PathGraph", gated)
+    def open_after_step_4(step):
+        if step == 4:
+            gate.set()
+            assert terra.wait_builds(timeout=60)
+
+    got = _lengths_program(terra.GradientTape, batches, open_after_step_4)
+    _assert_equal(got, eager)
+    text = terra.explain()
+    assert "is dropped: the path has joined shape group g0" in text, text
+    s = terra.stats()
+    assert (s["traces"], s["fallbacks"], s["graph_builds"]) == (4, 0, 1), text
+    assert s["iterations"] - s["traces"] == 6  # steps 4-9
