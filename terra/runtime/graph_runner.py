@@ -226,8 +226,6 @@ class GraphRunner:
     def shutdown(self, timeout=None):
         """Cancel every run and end the worker thread, waiting for it (bounded): used at
         interpreter exit. A later `start` starts a worker again."""
-        with self._cv:  # warm-ups are for runs to come: none will
-            self._work = collections.deque(r for r in self._work if r.index is not None)
         self.cancel(timeout=timeout)
         with self._cv:
             self._closing = True
@@ -363,7 +361,8 @@ class GraphRunner:
         Returns the runs that ended cancelled. Feeds Python already put stay queued: drain the
         channels (`FeedChannel.drain`) before the next run if they belong to the cancelled one.
         A committed run (`GraphRun.committed`) is waited for instead: stopped half-way, it would
-        leave some of its writes made and others not.
+        leave some of its writes made and others not. Without `first`, warm-ups still queued
+        (`warm`) are dropped too.
         """
         with self._cv:
             runs = [r for r in self._runs if not r.done and (first is None or
@@ -378,7 +377,9 @@ class GraphRunner:
                     r.error = tf.errors.CancelledError(
                         None, None, f"graph run #{r.index} cancelled before it started")
                     r._done.set()
-            self._work = collections.deque(r for r in self._work if r not in runs)
+            # (a cancel of everything also drops queued warm-ups: they were for the runs to come)
+            self._work = collections.deque(r for r in self._work if r not in runs and
+                                           (first is not None or r.index is not None))
         timeout = DEFAULT_TIMEOUT if timeout is None else timeout
         for r in spared:  # (they run before the cancelled ones: runs go in order)
             wait_event(r._done, f"committed graph run #{r.index}", timeout)

@@ -45,7 +45,7 @@ def test_warm_instantiates_without_running_an_op():
     r.shutdown(timeout=30)
 
 
-def test_shutdown_drops_the_warm_ups_still_queued():
+def test_cancel_and_shutdown_drop_the_warm_ups_still_queued():
     feed = FeedChannel(tf.float32, [], name="wz")
 
     @tf.function(autograph=False)
@@ -55,6 +55,9 @@ def test_shutdown_drops_the_warm_ups_still_queued():
     concrete = blocked.get_concrete_function()
     r = GraphRunner()
     run = r.start(concrete)  # waits on its feed until cancelled
+    r.warm(concrete)
+    assert r.cancel(timeout=30) == [run] and not r._work and r.warmed == 0
+    run = r.start(concrete)
     r.warm(concrete)
     r.shutdown(timeout=30)
     assert run.state == "cancelled" and r.warmed == 0 and r._thread is None
