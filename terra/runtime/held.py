@@ -56,9 +56,11 @@ _OWN = frozenset({"_dtype", "_shape_val", "_id", "_terra_id", "_name", "_op", "_
 def _attribute_values(obj):
     """Values of `obj`'s instance attributes but its own, and of tuples/lists among them (one
     level)."""
-    for k, v in getattr(obj, "__dict__", {}).items():
-        if k in _OWN:
-            continue
+    d = getattr(obj, "__dict__", None)
+    if not d:
+        return
+    for k in d.keys() - _OWN:  # (one set difference in C: most placeholders have no other)
+        v = d[k]
         if isinstance(v, (tuple, list)):
             yield from v
         else:

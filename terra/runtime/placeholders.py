@@ -36,6 +36,8 @@ _DTYPES: dict = {}
 
 
 def _static_shape(shape):
+    if type(shape) is _TensorShape:  # (a lookup would compare it with an equal tuple's key,
+        return shape                 # converting the tuple on every call)
     key = tuple(shape) if isinstance(shape, list) else shape
     try:
         s = _SHAPES.get(key)
@@ -46,6 +48,9 @@ def _static_shape(shape):
             _SHAPES.clear()
         s = _SHAPES[key] = tf.TensorShape(shape)
     return s
+
+
+_TensorShape = tf.TensorShape
 
 
 def _dtype(dtype):

@@ -103,10 +103,9 @@ class UnitSkipping:
         unknown = self.iteration.exe.unknown_shapes()
         if not unknown:
             return None
+        read, inside = _unknown_of(self.view, unit, unknown)
         missing, changed, generic = [], None, False
-        for ref in self.view.shapes_read_by(unit):
-            if ref not in unknown:
-                continue
+        for ref in read:
             value = self.iteration.unit_read(ref)
             if value is None:
                 missing.append(ref)
@@ -131,7 +130,7 @@ class UnitSkipping:
         elif changed is None:
             # its inputs have the traced shapes, so its own ops have theirs: the shape reads of
             # its Python are answered as traced, not fetched (its ops wait for this check)
-            self.shapes_checked.update(r for r in unknown if unit.start <= r.record < unit.end)
+            self.shapes_checked.update(inside)
         return changed
 
     def _generic_result_shapes(self, unit) -> None:
@@ -191,6 +190,21 @@ class UnitSkipping:
 
 
 UNSET = object()  # Iteration.unit_read: a feed the unit itself supplies (as recorded)
+
+
+def _unknown_of(view, unit, unknown) -> tuple:
+    """(the refs of `view.shapes_read_by(unit)` in `unknown`, the refs of `unknown` that
+    `unit`'s records output), kept on the view per unit and graph's `unknown`: a gradient
+    unit reads the shapes of hundreds of forward outputs, and a step on the same path and graph
+    asks the same question again."""
+    cache = view.__dict__.setdefault("_unknown_of", {})
+    hit = cache.get(unit.start)
+    if hit is not None and hit[0] is unknown and hit[1] is unit:
+        return hit[2]
+    out = (tuple(r for r in view.shapes_read_by(unit) if r in unknown),
+           tuple(r for r in unknown if unit.start <= r.record < unit.end))
+    cache[unit.start] = (unknown, unit, out)
+    return out
 
 
 def _same_array(a, b) -> bool:
