@@ -32,6 +32,8 @@ class GradUnit:
     # a call of a TF API function (units.py `api_call`): not a unit where it holds an eager
     # twin (the next batch sliced in the tail runs eagerly, op by op, as before)
     api: bool = False
+    # a gradient list's packing plan (units.py `_gradient_plan`): None packs by `structure`
+    pack: tuple = None
 
 
 def barrier_records(trace: Trace, root) -> frozenset:

@@ -389,8 +389,7 @@ def units_for(trace, units) -> dict:
             first = _first_uses(trace)
         feeds = _unit_feeds(trace, u, first)
         if feeds is not None:
-            out[start] = GradUnit(u.start, u.end, u.guard, u.result, feeds, u.structure, u.reads,
-                                  u.backprop, u.api)
+            out[start] = replace(u, feeds=feeds)
     return out
 
 

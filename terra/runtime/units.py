@@ -95,6 +95,8 @@ def gradient(session, tape, target, sources, output_gradients, unconnected_gradi
                 unit = it.runner.last_unit
             if tfp.gradient_taken(tape):
                 it.tape_exited(tape)  # eager's tape stops here (a gradient inside its `with`)
+            if unit.pack is not None:
+                return _pack_gradients(unit.pack, flat)
             if unit.structure is not None:
                 return tf.nest.pack_sequence_as(unit.structure, flat, expand_composites=True)
             return tf.nest.pack_sequence_as(sources, flat)
@@ -129,9 +131,75 @@ def gradient(session, tape, target, sources, output_gradients, unconnected_gradi
             usable = False
         refs.append(r)
     if usable and not rec.too_long:
-        rec.units[start] = GradUnit(start, end, guard, tuple(refs),
-                                    structure=structure, reads=tuple(reads))
+        rec.units[start] = GradUnit(start, end, guard, tuple(refs), structure=structure,
+                                    reads=tuple(reads), pack=_gradient_plan(result))
     return result
+
+
+def _pack_results(structure, flat):
+    """`tf.nest.pack_sequence_as(structure, flat, expand_composites=True)` where `structure`
+    (a unit's results as TypeSpecs, `_shape_of`) is one TensorSpec or a plain list or tuple of
+    them, as most units' results are, without walking it; anything else through `tf.nest`."""
+    t = type(structure)
+    if t is _TensorSpec:
+        return flat[0]
+    if (t is list or t is tuple) and len(structure) == len(flat) and \
+            all(type(s) is _TensorSpec for s in structure):
+        return t(flat)
+    return tf.nest.pack_sequence_as(structure, flat, expand_composites=True)
+
+
+_TensorSpec = tf.TensorSpec
+
+
+def _gradient_plan(result):
+    """How a gradient list's flat results pack back (`_pack_gradients`): per element, 0 for a
+    tensor or None, 2 or 3 for an `IndexedSlices` (values, indices[, dense shape]); None for any
+    other structure (packed by `tf.nest`)."""
+    if type(result) is not list:
+        return None
+    plan = []
+    for g in result:
+        if type(g) is tf.IndexedSlices:
+            plan.append(2 if g.dense_shape is None else 3)
+        elif g is None or isinstance(g, tfp.EagerTensorBase):
+            plan.append(0)
+        else:
+            return None
+    return tuple(plan)
+
+
+def _pack_gradients(plan, flat) -> list:
+    """`tf.nest.pack_sequence_as(structure, flat, expand_composites=True)` for a gradient list
+    (`_gradient_plan`), without rebuilding each `IndexedSlices` through its TypeSpec."""
+    out, i = [], 0
+    for k in plan:
+        if k:
+            out.append(tf.IndexedSlices(flat[i], flat[i + 1], flat[i + 2] if k == 3 else None))
+            i += k
+        else:
+            out.append(flat[i])
+            i += 1
+    return out
+
+
+def _flat_gradients(grads) -> list:
+    """`tf.nest.flatten(grads, expand_composites=True)` for tensors, None and `IndexedSlices`
+    (what `apply_gradients` is given) without building each slice's TypeSpec, which reads its
+    dense shape (a `constant_value`, per slice and step); anything else through `tf.nest`."""
+    out = []
+    for g in grads:
+        if type(g) is tf.IndexedSlices:
+            out.append(g.values)
+            out.append(g.indices)
+            if g.dense_shape is not None:
+                out.append(g.dense_shape)
+        elif g is None or isinstance(g, tfp.Tensor) and \
+                not isinstance(g, tf.__internal__.CompositeTensor):
+            out.append(g)
+        else:
+            return tf.nest.flatten(list(grads), expand_composites=True)
+    return out
 
 def _shape_constant(tensor, value):
     """A gradient's result that TF's gradient code made from a Python value (an
@@ -156,8 +224,7 @@ def apply_gradients(session, opt, original, grads_and_vars):
     settings = (tfp.tapes_recording(),) + tuple(
         (k, v) for k, v in vars(opt).items() if isinstance(v, (bool, int, float, str, type(None))))
     with _terra_reads(it):
-        flat = tf.nest.flatten([g for g, _ in pairs], expand_composites=True) + \
-            ["|"] + [v for _, v in pairs]
+        flat = _flat_gradients([g for g, _ in pairs]) + ["|"] + [v for _, v in pairs]
     if it.mode == Mode.SKIP and it.runner.view.units.get(it.runner.pos) is None and \
             it.runner.pos < it.runner.view.n:
         # no unit here (a sparse update's row filter has a length set by the data:
@@ -313,7 +380,7 @@ def layer_call(session, layer, original, args, kwargs, loss=False):
             try:
                 with session.internal():
                     out = it.runner.gradient_unit(guard)
-                return tf.nest.pack_sequence_as(unit.structure, out, expand_composites=True)
+                return _pack_results(unit.structure, out)
             except Diverged as d:  # a value the layer's Python read differs: its ops decide
                 diverged = d.divergence  # (not the exception: its traceback holds the frames)
         if diverged is not None and it.exe.gated(unit.start):
@@ -388,7 +455,7 @@ def function_call(session, fn, original, args, kwargs):
                 name = getattr(fn, "__name__", "?")
                 out = runner.gradient_unit(guard, f"call of tf.function {name}")
                 unit = runner.last_unit
-            return tf.nest.pack_sequence_as(unit.structure, out, expand_composites=True)
+            return _pack_results(unit.structure, out)
         except Diverged as d:
             runner.rollback(mark)
             if runner.pos >= runner.view.n and not it.extended_elsewhere():  # the loop is over
@@ -460,7 +527,7 @@ def api_call(session, fn, original, args, kwargs):
             with session.internal():
                 guard = _function_guard(session, it, fn, flat)
                 out = runner.gradient_unit(guard, f"call of {fn.__name__}")
-            return tf.nest.pack_sequence_as(unit.structure, out, expand_composites=True)
+            return _pack_results(unit.structure, out)
         except Diverged as d:
             runner.rollback(mark)
             if not it.exe.gated(unit.start):
