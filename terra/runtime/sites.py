@@ -13,7 +13,6 @@ from terra import _tf_private as tfp
 from terra.ir.op_kinds import DATA_DEPENDENT_SHAPE_OPS, HOST_OPS
 from terra.ir.records import FeedRef, OutputRef, TensorSpec, Trace, VariableRef, replace
 from terra.runtime.fallback import Snapshot, unsnapshotable
-from terra.runtime.path_view import GradUnit
 from terra.runtime.python_runner import PythonRunner
 from terra.runtime.site_graph import SiteGraph
 from terra.runtime.static_values import StaticValues
