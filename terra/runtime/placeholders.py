@@ -91,6 +91,16 @@ class ConstantResolver:
         return self.value
 
 
+_guards_installed = False
+
+
+def _install_guards():
+    global _guards_installed
+    tfp.install_function_call_guard(Placeholder, _materialize)
+    tfp.install_tensor_array_index_guard(Placeholder)
+    _guards_installed = True
+
+
 def _check_resolver(resolver):
     if not callable(getattr(resolver, "resolve", None)):
         raise TypeError(f"resolver must have a callable .resolve(), got {resolver!r}")
@@ -112,8 +122,8 @@ class Placeholder(tfp.Tensor):
     @classmethod
     def create(cls, dtype, shape, resolver, terra_id=None):
         _check_resolver(resolver)
-        tfp.install_function_call_guard(Placeholder, _materialize)
-        tfp.install_tensor_array_index_guard(Placeholder)
+        if not _guards_installed:
+            _install_guards()
         self = object.__new__(cls)
         d = self.__dict__
         d["_dtype"] = _dtype(dtype)

@@ -441,12 +441,13 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
             self.fed.pop(slot, None)
             self.fed_ids.pop(slot, None)
 
-    def placeholder(self, rec, j):
+    def placeholder(self, rec, j, ref=None):
         key = (rec.index, j)
         ph = self.placeholders.get(key)
         if ph is None:
             spec = rec.outputs[j]
-            ref = OutputRef(rec.index, j)
+            if ref is None:
+                ref = OutputRef(rec.index, j)
             mine = self.new_shapes.get(rec.index)
             shape = self.iteration.exe.static_shape(ref) if mine is None else mine[j]
             ph = SkipPlaceholder.create(spec.dtype, spec.shape if shape is None else shape,

@@ -88,7 +88,7 @@ class UnitSkipping:
                 self.born[id(t)] = (t, value)  # a constant where an op takes it, as traced
                 out.append(t)
             else:
-                out.append(self.placeholder(self.view.records[r.record], r.index))
+                out.append(self.placeholder(self.view.records[r.record], r.index, r))
         if self.pos == self.view.n and self.view.end_sync:
             self.iteration.wait_run()
         return out
@@ -209,7 +209,11 @@ def _unknown_of(view, unit, unknown) -> tuple:
 
 def _same_array(a, b) -> bool:
     a, b = np.asarray(a), np.asarray(b)
-    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype.kind in "biu":  # (integers, as shapes and indices are: equal values are equal
+        return a.tobytes() == b.tobytes()  # bytes, without `array_equal`'s checks)
+    return bool(np.array_equal(a, b))
 
 
 def _short(value) -> str:
