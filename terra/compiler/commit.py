@@ -111,6 +111,9 @@ def _recorded(op, records) -> bool:
     return index is not None and index < len(records) and records[index].op_type == op.type
 
 
+_stateful: dict = {}  # op type -> whether its OpDef is stateful
+
+
 def gate_writes(ops, records, make_gate):
     """Make every write among `ops` (a function graph's ops in creation order, while it is
     traced) wait for a commit op over `make_gate()` (a dequeue of the commit channel) and every
@@ -124,13 +127,18 @@ def gate_writes(ops, records, make_gate):
     tainted_resources: set = set()
     unordered_tainted = False  # the chain of stateful ops without resource inputs
     for op in ops:
-        resources = [t for t in op.inputs if t.dtype == tf.resource]
+        inputs = op.inputs  # (each read of `inputs` and `op_def` asks the C API anew)
+        op_type = op.type
+        resources = [t for t in inputs if t.dtype == tf.resource]
         recorded = _recorded(op, records)
-        write = recorded and bool(resources) and op.type not in READ_ONLY_RESOURCE_OPS
-        hit = write or any(t.op in tainted for t in op.inputs) or \
+        write = recorded and bool(resources) and op_type not in READ_ONLY_RESOURCE_OPS
+        hit = write or any(t.op in tainted for t in inputs) or \
             any(c in tainted for c in op.control_inputs) or \
             any(t.ref() in tainted_resources for t in resources)
-        stateful = op.op_def is not None and op.op_def.is_stateful
+        stateful = _stateful.get(op_type)
+        if stateful is None:
+            op_def = op.op_def
+            stateful = _stateful[op_type] = op_def is not None and op_def.is_stateful
         if stateful and not resources and unordered_tainted:
             hit = True
         if recorded and fallible(op):
