@@ -10,9 +10,11 @@ class TerraRuntimeError(RuntimeError):
 
 
 class TerraTimeoutError(TerraRuntimeError, TimeoutError):
-    """A bounded wait on a channel or on the graph runner ran out of time."""
+    """A bounded wait on a channel or on the graph runner ran out of time. `what` names what was
+    waited on: a string, or a callable that makes one (formatted only when the wait fails)."""
 
     def __init__(self, what, timeout):
+        what = what() if callable(what) else what
         self.what = what
         self.timeout = timeout
         super().__init__(f"timed out after {timeout:.3f} s waiting on {what}")

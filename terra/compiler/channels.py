@@ -42,6 +42,8 @@ _EXPECT_SHARE = 0.8
 def wait_until(ready, what, timeout=None, watch=None, expect=0.0):
     """Poll `ready()` until true; bounded by `timeout` (TerraTimeoutError naming `what`).
 
+    `what` is a string, or a callable that makes one on a timeout (a channel's description is
+    formatted from its dtypes and shapes: too dear for every wait).
     `watch()`, if given, is called between polls and may raise to abort the wait (e.g. the graph
     failed). `expect`, if given, is a wait the caller is confident lasts at least that long (the
     shortest of the last few of the same kind): it is slept in one piece before polling starts,
@@ -179,7 +181,8 @@ class FeedChannel(_Channel):
         """Enqueue one element (non-blocking unless a bounded capacity is full)."""
         comps = self._convert(value)
         if self.capacity is not None:
-            wait_until(lambda: self.size() < self.capacity, f"{self!r} (full)", timeout)
+            wait_until(lambda: self.size() < self.capacity, lambda: f"{self!r} (full)",
+                       timeout)
         try:
             self.queue.enqueue(comps)
         except tf.errors.CancelledError as e:
@@ -258,7 +261,7 @@ class FetchChannel(_Channel):
         recent = self._recent_waits
         expect = _EXPECT_SHARE * min(recent) if len(recent) == recent.maxlen else 0.0
         try:
-            waited = wait_until(lambda: self.size() > 0, repr(self), timeout, watch, expect)
+            waited = wait_until(lambda: self.size() > 0, self.__repr__, timeout, watch, expect)
         except tf.errors.OpError as e:
             if self.closed:
                 raise ChannelClosedError(f"{self!r} is closed") from e

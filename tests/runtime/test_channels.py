@@ -332,3 +332,24 @@ def test_fetch_get_expects_the_shortest_of_its_recent_waits(monkeypatch):
     assert expects[9] == pytest.approx(0.8 * 0.004)
     assert expects[10] == pytest.approx(0.8 * 0.006)  # 0.010 and 0.004 have left the window
     assert ch.wait_seconds == pytest.approx(sum(seq))
+
+
+def test_a_wait_formats_the_channels_description_only_when_it_times_out():
+    """Every fetch waits through `wait_until`; describing the channel (dtypes, shapes) costs
+    more than a poll, so it is made only for the timeout's message."""
+    class Counted(FetchChannel):
+        described = 0
+
+        def __repr__(self):
+            Counted.described += 1
+            return super().__repr__()
+
+    fetch = Counted(tf.float32, [], name="counted")
+    fetch.queue.enqueue([tf.constant(1.5)])
+    assert float(fetch.get(timeout=5)) == 1.5
+    feed = FeedChannel(tf.float32, [], name="roomy", capacity=2)
+    feed.put(1.0)
+    assert Counted.described == 0
+    with pytest.raises(TerraTimeoutError, match=r"counted") as info:
+        fetch.get(timeout=0.01)
+    assert Counted.described == 1 and info.value.what.startswith("Counted('counted'")
