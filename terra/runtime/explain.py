@@ -37,6 +37,7 @@ class Counters:
     pure_tails: int = 0
     young_collections: int = 0  # young collections between co-executed iterations (COLLECT_EVERY)
     eager_twins: int = 0       # values skip mode computed eagerly as well (PathView.twins)
+    twin_units: int = 0        # of the API calls making them, those run from the trace (twin_unit)
     verdicts_kept: int = 0     # traced user-layer calls not watched again (known_verdict)
     overlapped_iterations: int = 0
     commit_snapshots: int = 0  # snapshots a read of a written value took mid-iteration (commit)

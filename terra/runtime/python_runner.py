@@ -190,14 +190,18 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
         if len(phs) != len(vals):
             return
         for ph, v in zip(phs, vals):
-            if isinstance(ph, Placeholder) and isinstance(v, tfp.EagerTensor) and \
-                    ph._terra_value is None and v.dtype == ph._dtype and \
-                    ph._shape_val.is_compatible_with(v.shape):
-                ph.__dict__["_terra_value"] = v
-                ref = placeholder_ref(ph, self)
-                if ref is not None:  # a read of it is still a read (`_log_twin_reads`)
-                    ph.__dict__["_terra_on_read"] = functools.partial(self.log_fetch, ref)
-                self.iteration.session.counters.eager_twins += 1
+            self.hold_twin(ph, v)
+
+    def hold_twin(self, ph, v) -> None:
+        """Make placeholder `ph` hold `v`, its eager twin's value, where it fits."""
+        if isinstance(ph, Placeholder) and isinstance(v, tfp.EagerTensor) and \
+                ph._terra_value is None and v.dtype == ph._dtype and \
+                ph._shape_val.is_compatible_with(v.shape):
+            ph.__dict__["_terra_value"] = v
+            ref = placeholder_ref(ph, self)
+            if ref is not None:  # a read of it is still a read (`_log_twin_reads`)
+                ph.__dict__["_terra_on_read"] = functools.partial(self.log_fetch, ref)
+            self.iteration.session.counters.eager_twins += 1
 
     # ------------------------------------------------------------------ matching
     def _diverge(self, reason, expected, observed, kind=DivergenceKind.MISMATCH):

@@ -13,8 +13,10 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
-from terra.ir.records import ConstRef, OutputRef
+from terra import _tf_private as tfp
+from terra.ir.records import ConstRef, FeedRef, OutputRef
 from terra.runtime.divergence import Diverged, Divergence, user_line
+from terra.runtime.fallback import EagerReplay
 
 __all__ = ["UnitSkipping", "UNSET"]
 
@@ -92,6 +94,51 @@ class UnitSkipping:
         if self.pos == self.view.n and self.view.end_sync:
             self.iteration.wait_run()
         return out
+
+    def twin_unit(self, unit, guard) -> list:
+        """Skip a TF API call made only of eager twins (`PathView.twin_units`: the next batch
+        sliced in the iteration's tail) whose guard holds: its records run eagerly straight
+        from the trace (eager's kernels on the values eager's Python would hand them: the same
+        results), and its result placeholders hold them, as `_run_twin` makes them op by op."""
+        if unit.guard != guard:
+            self._diverge("call of an eager twin with another guard", unit.guard, guard)
+        values = self._twin_values(unit)
+        if values is None:
+            self._diverge("eager twin of a value Python does not hold", "a tensor", "another")
+        if self.shape_from is not None:  # (past a feed of a new shape: the values' own shapes)
+            for i in range(unit.start, unit.end):
+                self.new_shapes[i] = tuple(tuple(values[(i, j)].shape.as_list())
+                                           for j in range(len(self.view.records[i].outputs)))
+        self.iteration.session.counters.twin_units += 1
+        self.last_unit = unit
+        self.pos = unit.end
+        if self.advance is not None:
+            self.advance(unit.end)
+        out = []
+        for r in unit.result:
+            ph = self.placeholder(self.view.records[r.record], r.index, r)
+            self.hold_twin(ph, values[(r.record, r.index)])
+            out.append(ph)
+        if self.pos == self.view.n and self.view.end_sync:
+            self.iteration.wait_run()
+        return out
+
+    def _twin_values(self, unit) -> Optional[dict]:
+        """`{(record, output): tensor}` of `unit`'s records run eagerly on the values fed; None
+        if a feed they read was not given a tensor now."""
+        view = self.view
+        for i in range(unit.start, unit.end):
+            for r in view.flat_inputs[i]:
+                if isinstance(r, FeedRef) and not isinstance(self.fed.get(r.slot),
+                                                             tfp.EagerTensorBase):
+                    return None
+        replay = view.twin_replay
+        if replay is None:  # (one per view: its constants are made once)
+            replay = view.twin_replay = EagerReplay(view.trace, {})
+        replay.feeds = self.fed
+        for rec in view.records[unit.start:unit.end]:
+            replay.step(rec)
+        return replay.env
 
     def _changed_shape(self, unit) -> Optional[Divergence]:
         """Why `unit` cannot be skipped as recorded: a value whose shape the graph does not know

@@ -520,13 +520,17 @@ def api_call(session, fn, original, args, kwargs):
     if it.mode == Mode.SKIP and it.runner.skipping:
         runner = it.runner
         unit = runner.view.units.get(runner.pos)
+        twin = unit is None and runner.view.twin_units.get(runner.pos)
+        if twin:
+            unit = twin
         if unit is None or unit.guard[0] is not fn:
             return original(fn, *args, **kwargs)
         mark = len(runner.fed_order)
         try:
             with session.internal():
-                guard = _function_guard(session, it, fn, flat)
-                out = runner.gradient_unit(guard, f"call of {fn.__name__}")
+                guard = _function_guard(session, it, fn, flat, unit)
+                out = runner.twin_unit(unit, guard) if twin else \
+                    runner.gradient_unit(guard, f"call of {fn.__name__}")
             return _pack_results(unit.structure, out)
         except Diverged as d:
             runner.rollback(mark)
@@ -570,11 +574,12 @@ def _check_function_body(session, trace, r) -> None:
     if types & UNSEEDED_RANDOM_OPS:
         trace.unseeded_random.append(r.index)
 
-def _function_guard(session, it, fn, flat) -> tuple:
+def _function_guard(session, it, fn, flat, unit=None) -> tuple:
     """(fn, tape may record, one entry per flat argument). In skip mode a tensor argument
-    that the unit at the runner's position first feeds is fed here (data passed straight to
-    the function)."""
-    unit = it.runner.view.units.get(it.runner.pos) if it.mode == Mode.SKIP else None
+    that the unit at the runner's position (or `unit`) first feeds is fed here (data passed
+    straight to the function)."""
+    if unit is None:
+        unit = it.runner.view.units.get(it.runner.pos) if it.mode == Mode.SKIP else None
     want = unit.guard if unit is not None and len(unit.guard) == len(flat) + 2 and \
         unit.guard[0] is fn else None
     out = [fn, tfp.could_possibly_record()]

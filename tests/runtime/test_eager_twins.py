@@ -143,3 +143,79 @@ def test_the_graph_fetches_no_twin_and_one_found_without_its_value_is_fetched_af
     assert misses and {r.record for r in misses} <= twins
     assert {r.record for r in fetched} & twins == {r.record for r in misses}
     c.assert_counts(traces=5, fallbacks=3, graph_builds=4, path_switches=0)
+
+
+def _lm_program(Tape, lengths, steps=10):
+    """A language model's step: the batch sliced into inputs and targets before the tape, the
+    sequence length drawn from `lengths` (a shape group's graph takes every length)."""
+    rng = np.random.default_rng(7)
+    emb = tf.Variable(rng.normal(size=(11, 4)).astype(np.float32) * 0.3)
+    w = tf.Variable(rng.normal(size=(4, 11)).astype(np.float32) * 0.3)
+    batches = [tf.constant(rng.integers(0, 11, size=(2, lengths[i % len(lengths)] + 1)),
+                           tf.int32) for i in range(steps)]
+    losses, seen = [], []
+    for tokens in batches:
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        seen.append((tuple(inputs.shape), tuple(targets.shape)))
+        with Tape() as tape:
+            logits = tf.matmul(tf.gather(emb, inputs), w)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(targets, logits))
+        g_emb, g_w = tape.gradient(loss, [emb, w])
+        emb.assign_sub(0.1 * tf.convert_to_tensor(g_emb))
+        w.assign_sub(0.1 * g_w)
+        losses.append(float(loss))
+    return losses, seen, emb, w
+
+
+def test_the_slices_of_the_next_batch_run_from_the_trace():
+    """Each compiled iteration's tail slices the next batch twice: two API calls skipped whole,
+    their ops run from the trace (`twin_units`), equal to eager's."""
+    eager = _lm_program(tf.GradientTape, [6])
+    with CompileCounter() as c:
+        got = _lm_program(tf.TerraGradientTape, [6])
+    assert got[:2] == eager[:2]
+    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(got[2:], eager[2:]))
+    # traced at iterations 1 and 2, compiled from 3 on: iterations 3-9 slice the next batch
+    c.assert_counts(traces=2, graph_builds=1, fallbacks=0, pure_tails=1,
+                    eager_twins=7 * 2, twin_units=7 * 2)
+
+
+def test_slices_of_a_batch_of_a_new_length_take_its_shapes():
+    """Past a feed of a new length (a shape group's graph takes it), the slices' placeholders
+    claim the shapes of the values computed, which Python reads (`inputs.shape`)."""
+    lengths = [6, 9, 4, 6, 9, 7, 5, 8, 4, 7]
+    eager = _lm_program(tf.GradientTape, lengths, steps=20)
+    with CompileCounter() as c:
+        got = _lm_program(tf.TerraGradientTape, lengths, steps=20)
+    assert got[:2] == eager[:2]
+    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(got[2:], eager[2:]))
+    # (the counts of every kind are those of matching the slices op by op: only how the
+    # slices' values are made changed)
+    c.assert_counts(traces=6, graph_builds=1, fallbacks=4, path_switches=14, pure_tails=1,
+                    eager_twins=26, twin_units=26)
+
+
+def test_a_slice_with_another_bound_than_traced_is_matched_op_by_op():
+    """The twin call's guard holds its index by value: where the program slices with another
+    bound, its ops are matched one by one (and diverge on the bound, as before)."""
+    def program(Tape):
+        rng = np.random.default_rng(2)
+        w = tf.Variable(rng.normal(size=(4, 4)).astype(np.float32) * 0.5)
+        data = tf.constant(rng.normal(size=(3, 6)).astype(np.float32))
+        losses = []
+        for i in range(12):
+            cut = 1 if i < 8 else 2  # from the tail of iteration 8 on, another bound
+            inputs = data[:, :4] if cut == 1 else data[:, 1:5]
+            with Tape() as tape:
+                loss = tf.reduce_mean(tf.matmul(inputs, w) ** 2)
+            w.assign_sub(0.1 * tape.gradient(loss, w))
+            losses.append(float(loss))
+        return losses, w
+    eager = program(tf.GradientTape)
+    with CompileCounter() as c:
+        got = program(tf.TerraGradientTape)
+    assert got[0] == eager[0] and np.array_equal(got[1].numpy(), eager[1].numpy())
+    # iterations 3-7 slice the next batch as traced (twin calls); iteration 8's tail slices
+    # with the other bound: matched op by op, it falls back, and a second graph serves the rest
+    c.assert_counts(traces=3, graph_builds=2, fallbacks=1, path_switches=0, pure_tails=1,
+                    eager_twins=8, twin_units=5)
