@@ -21,6 +21,7 @@ import time
 
 import tensorflow as tf
 
+from terra import _tf_private as tfp
 from terra.errors import ChannelClosedError, TerraRuntimeError, TerraTimeoutError
 
 __all__ = ["FeedChannel", "FetchChannel", "FeedFetchOrder", "case_select_channel",
@@ -144,8 +145,11 @@ class _Channel:
                 f"{self.name}: expected {len(self.dtypes)} components, got {len(comps)}")
         out = []
         for v, d, s in zip(comps, self.dtypes, self.shapes):
-            t = tf.convert_to_tensor(v, dtype=d)
-            if not s.is_compatible_with(t.shape):
+            # (an eager tensor of the dtype is its own conversion: TF's dispatch for it costs
+            # more than the enqueue's Python; the commit token and most data come so)
+            t = v if isinstance(v, tfp.EagerTensorBase) and v.dtype == d else \
+                tf.convert_to_tensor(v, dtype=d)
+            if s.rank is not None and not s.is_compatible_with(t.shape):
                 raise ValueError(f"{self.name}: value of shape {t.shape} does not fit {s}")
             out.append(t)
         return out

@@ -39,6 +39,8 @@ def _placeholder_edges(placeholders: dict):
     keys = {id(ph): key for key, ph in placeholders.items()}
     inner, edges = {}, {}
     for key, ph in placeholders.items():
+        if ph.__dict__.keys() <= _OWN:  # (most: no attribute but their own, one check in C)
+            continue
         for v in _attribute_values(ph):
             k = keys.get(id(v))
             if k is not None and v is placeholders[k]:
@@ -50,7 +52,8 @@ def _placeholder_edges(placeholders: dict):
 # A placeholder's own attributes (placeholders.py, python_runner.py): none refers to another
 # placeholder, so only what user code set on it (Keras' `_keras_logits`, `_keras_mask`) is read.
 _OWN = frozenset({"_dtype", "_shape_val", "_id", "_terra_id", "_name", "_op", "_terra_resolver",
-                  "_terra_value", "_terra_bound", "_terra_owner", "_terra_ref"})
+                  "_terra_value", "_terra_bound", "_terra_owner", "_terra_ref",
+                  "_terra_on_read"})
 
 
 def _attribute_values(obj):
