@@ -10,7 +10,7 @@ The block's last iteration is ended on exit. A mismatch shows every differing co
 """
 import terra
 
-COUNTED = ("iterations", "traces", "graph_builds", "graph_reuses", "role_renames", "fallbacks",
+COUNTED = ("iterations", "traces", "new_paths", "graph_builds", "graph_reuses", "role_renames", "fallbacks",
            "path_switches",
            "case_switches", "held_iterations", "held_switches", "pure_tails", "static_reads",
            "eager_twins", "twin_units", "verdicts_kept")

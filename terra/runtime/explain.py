@@ -26,6 +26,7 @@ class EventKind(str, enum.Enum):
 class Counters:
     """What the session counts, one field per `terra.stats()` key (times in seconds)."""
     traces: int = 0
+    new_paths: int = 0         # distinct paths first seen (each is traced before it can compile)
     fallbacks: int = 0
     graph_builds: int = 0
     graph_reuses: int = 0      # paths that run another path's graph over their own variables

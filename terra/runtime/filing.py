@@ -66,6 +66,7 @@ class Filing:
                     break
         new = path is None
         if new:
+            self._counters.new_paths += 1
             path = Path(sig, trace, units, id=site.new_path_id(), first_seen=it.number,
                         late=any(p.graph is not None for p in site.paths.values()))
             site.paths[sig] = path

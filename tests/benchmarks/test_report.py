@@ -67,7 +67,8 @@ def test_write_all_produces_valid_json_markdown_and_charts(tmp_path):
 def test_terra_tables_when_stats_exist(tmp_path):
     res = fake_results(with_terra=True)
     md = report.markdown(res)
-    assert "| alpha | 2 | 1 | 1 | - | ok |" in md   # (no paper number for a toy program)
+    # (no paper number for a toy program; no new_paths in these stats: a run before it counted)
+    assert "| alpha | 2 | n/a | 1 | 1 | - | ok |" in md
     assert "| alpha | 10.0 | 0.0 | 50.0 | 5.0 |" in md
     assert "| alpha | x2.00 [2.00-2.00] | x1.00 [1.00-1.00] |" in md
     paths = report.write_all(res, str(tmp_path))
@@ -77,7 +78,12 @@ def test_terra_tables_when_stats_exist(tmp_path):
 def test_table_3_3_stands_beside_the_papers_numbers_and_steps_are_timed_in_order(tmp_path):
     res = fake_results(with_terra=True)
     res["programs"]["gpt2"] = res["programs"].pop("alpha")
-    assert "| gpt2 | 2 | 1 | 1 | 2 / 0 | ok |" in report.markdown(res)
+    assert "| gpt2 | 2 | n/a | 1 | 1 | 2 / 0 | ok |" in report.markdown(res)
+    r = res["programs"]["gpt2"]["modes"]["terra"]
+    r["terra_stats"] = {k: dict(v) if isinstance(v, dict) else v
+                        for k, v in r["terra_stats"].items()}  # (not TERRA_STATS itself)
+    r["terra_stats"]["warmup"]["new_paths"] = 2
+    assert "| gpt2 | 2 | 2 | 1 | 1 | 2 / 0 | ok |" in report.markdown(res)
     r = res["programs"]["gpt2"]["modes"]["terra"]
     pts = report.step_timeline(r)
     assert [t for _, t in pts] == list(r["warmup_s"]) + list(r["step_s"])

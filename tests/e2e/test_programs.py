@@ -116,6 +116,8 @@ def test_python_random_path_choice():
     stats, explain = run_both(prog_random_path)
     assert_coexecuted(stats, explain)
     assert (stats["traces"], stats["graph_builds"], stats["fallbacks"]) == (4, 2, 1), explain
+    # the state-making first iteration's path and the two branches, each traced once at least
+    assert stats["new_paths"] == 3, explain
 
 
 # 4 ------------------------------------------------------------------ NumPy metric fed back
