@@ -18,7 +18,7 @@ import types
 
 import tensorflow as tf
 
-STATS_KEYS = ("traces", "fallbacks", "graph_builds",
+STATS_KEYS = ("traces", "new_paths", "fallbacks", "graph_builds",
               "python_exec_s", "python_stall_s", "graph_exec_s", "graph_stall_s")
 
 

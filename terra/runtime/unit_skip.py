@@ -136,9 +136,12 @@ class UnitSkipping:
         if replay is None:  # (one per view: its constants are made once)
             replay = view.twin_replay = EagerReplay(view.trace, {})
         replay.feeds = self.fed
-        for rec in view.records[unit.start:unit.end]:
-            replay.step(rec)
-        return replay.env
+        try:
+            for rec in view.records[unit.start:unit.end]:
+                replay.step(rec)
+            return replay.env
+        finally:  # (the view outlives the iteration: it keeps neither its batch nor its values)
+            replay.env, replay.feeds = {}, {}
 
     def _changed_shape(self, unit) -> Optional[Divergence]:
         """Why `unit` cannot be skipped as recorded: a value whose shape the graph does not know

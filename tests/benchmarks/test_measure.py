@@ -59,11 +59,12 @@ def test_terra_mode_unavailable_without_runtime(monkeypatch):
 def fake_terra(coexec_log):
     """A stand-in runtime with the interface the harness expects: tape, config, growing stats."""
     mod = types.ModuleType("terra")
-    counters = dict(traces=0, fallbacks=0, graph_builds=0, python_exec_s=0.0, python_stall_s=0.0,
-                    graph_exec_s=0.0, graph_stall_s=0.0)
+    counters = dict(traces=0, new_paths=0, fallbacks=0, graph_builds=0, python_exec_s=0.0,
+                    python_stall_s=0.0, graph_exec_s=0.0, graph_stall_s=0.0)
 
     class GradientTape(tf.GradientTape):
         def __enter__(self):
+            counters["new_paths"] += counters["traces"] == 0  # (one path, met first here)
             counters["traces"] += 1
             counters["graph_exec_s"] += 0.5
             return super().__enter__()
@@ -86,6 +87,7 @@ def test_terra_code_path_reads_stats_and_config(monkeypatch):
     assert t["status"] == "ok", t["reason"]
     assert t["terra_stats"]["timed_steps"] == 4
     assert t["terra_stats"]["warmup"]["traces"] == 2 and t["terra_stats"]["timed"]["traces"] == 4
+    assert t["terra_stats"]["warmup"]["new_paths"] == 1 and t["terra_stats"]["timed"]["new_paths"] == 0
     assert t["terra_stats"]["timed"]["graph_exec_s"] == pytest.approx(2.0)
     # what ending a block of steps counts belongs to the block's last step: one per warm-up step
     # (each is its own block) and one per round
