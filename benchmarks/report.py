@@ -137,6 +137,7 @@ def markdown(results):
                        if t else "")
         rows.append(row)
     md += [_table(["program"] + [label(m) for m in modes], rows), ""]
+    md += terra_against_autograph(results, summ, progs)
     fn_modes = [m for m in ("function", "function_xla") if m in modes]
     md += ["## AutoGraph coverage (Table 3.1)", ""]
     rows = []
@@ -159,6 +160,31 @@ def markdown(results):
            "modes that passed (rounding amplified by training; recorded, not judged).", ""]
     md += terra_sections(results, summ, progs)
     return "\n".join(md) + "\n"
+
+
+def terra_against_autograph(results, summ, progs):
+    """Terra's median step over AutoGraph's, from the same run's interleaved rounds, where
+    AutoGraph ran correctly, and the same ratio of their p25 and of their p75 step times."""
+    rows = []
+    for p in progs:
+        ms, t = results["programs"][p]["modes"], summ[p]
+        if "terra" not in ms or "function" not in ms:
+            continue
+        a, b = t.get("terra"), t.get("function")
+        if ms["function"]["status"] != "ok":
+            rows.append([p, f"AutoGraph {STATUS_TEXT[ms['function']['status']]}", "", ""])
+        elif a and b and ms["terra"]["status"] == "ok":
+            rows.append([p, f"{a['median_s'] / b['median_s']:.2f}",
+                         f"{a['p25_s'] / b['p25_s']:.2f}", f"{a['p75_s'] / b['p75_s']:.2f}"])
+        else:
+            rows.append([p, f"Terra {STATUS_TEXT[ms['terra']['status']]}", "", ""])
+    if not rows:
+        return []
+    return ["## Terra against AutoGraph", "",
+            "Terra's median step time over AutoGraph's (tf.function) in this run, and the same "
+            "ratio of their p25 and of their p75 step times (how much it moves with the step "
+            "chosen; no interval).", "",
+            _table(["program", "median", "p25", "p75"], rows), ""]
 
 
 def terra_sections(results, summ, progs):

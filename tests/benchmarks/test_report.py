@@ -88,3 +88,15 @@ def test_table_3_3_stands_beside_the_papers_numbers_and_steps_are_timed_in_order
     pts = report.step_timeline(r)
     assert [t for _, t in pts] == list(r["warmup_s"]) + list(r["step_s"])
     assert [i for i, _ in pts] == list(range(len(pts)))
+
+
+def test_terra_against_autograph_is_a_ratio_of_the_same_runs_steps():
+    res = fake_results(with_terra=True)
+    md = report.markdown(res)
+    assert "## Terra against AutoGraph" in md
+    # terra: 0.25 s a step; function: 0.2, 0.25, 0.25, 0.3 (fake_results)
+    t = report.summarize(res)["alpha"]
+    want = t["terra"]["median_s"] / t["function"]["median_s"]
+    assert f"| alpha | {want:.2f} |" in md
+    res["programs"]["alpha"]["modes"]["function"]["status"] = "wrong"
+    assert "| alpha | AutoGraph WRONG |  |  |" in report.markdown(res)
