@@ -7,7 +7,10 @@ For each program, in one process, one after another: the `tf.function` step, the
 program's path, called back to back with every run's feeds queued before it starts and no
 Python besides the call (the physical limit of co-execution on this machine; it includes the
 channel ops inside the graph), run with Grappler as Terra runs it (no arithmetic rewrites, no
-remapper: both change results against eager) and with TF's default Grappler (as tf.function). Then one more block of Terra steps under cProfile, whose own
+remapper: both change results against eager) and with TF's default Grappler (as tf.function),
+in alternating rounds. A shape group's graph runs each member's feeds as often as the timed
+Terra steps ran that member (gpt2: the batches' own sequence lengths in their proportions), so
+its time is that of the same work. Then one more block of Terra steps under cProfile, whose own
 time per function is summed into the skeleton's parts (op matching, placeholders, unit guards,
 feed puts, fetch waits, Terra's hook, Keras' Python, TF's Python, eager op dispatch, thread
 waits, ...), per step. cProfile slows Python (not the graph), so these are larger than the
@@ -84,6 +87,9 @@ class Subject:
             self.step = step
 
 
+ALONE_ROUNDS = 3
+
+
 def timed(step, steps):
     times = []
     for _ in range(steps):
@@ -122,24 +128,43 @@ def queue_runs(path, graph, n) -> None:
                 ch.put(True)
 
 
-def graph_alone(steps, mutate=None):
+def rotation(hits: dict, steps: int) -> list:
+    """`steps` members in the proportions of `hits` (member -> runs it served), spread out
+    (each next run goes to the member furthest behind its share): the timed steps' own mix of
+    feed shapes, for a graph that serves several (a shape group's)."""
+    total = sum(hits.values())
+    done = {m: 0 for m in hits}
+    order = []
+    for i in range(steps):
+        m = max(hits, key=lambda m: hits[m] * (i + 1) / total - done[m])
+        done[m] += 1
+        order.append(m)
+    return order
+
+
+def graph_alone(steps, mutate=None, hits=None):
     """Call the compiled path's generated graph `steps` times back to back, feeds pre-queued;
-    `mutate` changes the ConfigProto of the calls (None: TF's default Grappler)."""
+    `mutate` changes the ConfigProto of the calls (None: TF's default Grappler). A shape
+    group's graph runs its members in the proportions of `hits` (path -> timed steps it served;
+    None: the member that served most steps, every run)."""
     if mutate is not None:
         with tfp.function_call_config(mutate):
-            return graph_alone(steps)
+            return graph_alone(steps, hits=hits)
     session = terra._SESSION
     paths = [p for s in session.sites.values() for p in s.paths.values() if p.graph is not None]
     if len({id(p.graph) for p in paths}) != 1:
         return None
-    # one graph: one path's, or a shape group's (run as the member that served most steps)
-    path = max(paths, key=lambda p: p.hits)
-    graph = path.graph
-    fn = graph.function_for(path)
-    queue_runs(path, graph, steps + 1)
-    fn()  # first call: any instantiation left
+    graph = paths[0].graph
+    hits = {p: n for p, n in (hits or {}).items() if n > 0 and p.graph is graph}
+    if not hits:
+        hits = {max(paths, key=lambda p: p.hits): 1}
+    order = rotation(hits, steps + 1)
+    for path in order:
+        queue_runs(path, graph, 1)
+    graph.function_for(order[0])()  # first call: any instantiation left
     times = []
-    for _ in range(steps):
+    for path in order[1:]:
+        fn = graph.function_for(path)
         t = time.perf_counter()
         out = fn()
         if out:
@@ -147,6 +172,10 @@ def graph_alone(steps, mutate=None):
         times.append(time.perf_counter() - t)
     graph.drain()
     return times
+
+
+def path_hits():
+    return {p: p.hits for s in terra._SESSION.sites.values() for p in s.paths.values()}
 
 
 def categorize(prof_stats):
@@ -170,19 +199,25 @@ def run(name, steps, warmup):
     terra.reset()
     tsub = Subject(name, tf.TerraGradientTape)
     timed(tsub.step, warmup)
-    before = terra.stats()
+    before, hits0 = terra.stats(), path_hits()
     rec["terra"] = summary(timed(tsub.step, steps))
-    after = terra.stats()
+    after, hits = terra.stats(), path_hits()
+    hits = {p: n - hits0.get(p, 0) for p, n in hits.items()}
+    rec["graph_alone_members"] = sorted(n for n in hits.values() if n > 0)
     terra.end_iteration()
     per = {k: (after[k] - before[k]) / steps for k in
            ("python_exec_s", "python_stall_s", "graph_exec_s", "graph_stall_s")}
     rec["terra_counters_ms"] = {k: 1e3 * v for k, v in per.items()}
     rec["terra_stats"] = {k: after[k] for k in ("traces", "fallbacks", "graph_builds")}
 
-    alone = graph_alone(steps, terra_grappler)
-    rec["graph_alone"] = summary(alone) if alone else None
-    alone = graph_alone(steps)
-    rec["graph_alone_tf_grappler"] = summary(alone) if alone else None
+    # the two Grapplers in alternating rounds: one after the other, a busy spell of the
+    # machine moved one of them by up to 40%
+    alone = {"graph_alone": [], "graph_alone_tf_grappler": []}
+    for _ in range(ALONE_ROUNDS):
+        for key, mutate in (("graph_alone", terra_grappler), ("graph_alone_tf_grappler", None)):
+            t = graph_alone(max(1, steps // ALONE_ROUNDS), mutate, hits)
+            alone[key] = None if t is None or alone[key] is None else alone[key] + t
+    rec.update({k: summary(v) if v else None for k, v in alone.items()})
 
     prof = cProfile.Profile()
     n_prof = max(5, steps // 2)
@@ -202,7 +237,7 @@ def markdown(results, meta):
     lines = ["# Static programs: Terra's step against tf.function and the graph alone "
              "(benchmarks/breakdown.py)", "",
              f"{meta['machine']}; TF {meta['tf']}; {meta['steps']} timed steps after "
-             f"{meta['warmup']} warm-up steps per variant, one process, variants one after another.",
+             f"{meta['warmup']} warm-up steps per variant, one process, variants one after another (the graph alone's two in alternating rounds).",
              "", "| program | tf.function ms | Terra ms | graph alone ms | graph alone, TF's "
              "Grappler, ms | Terra / tf.function | graph alone / tf.function | Python exec ms | "
              "Python stall ms | graph stall ms | skeleton / graph alone |",
