@@ -101,11 +101,30 @@ def renamed_path(path: Path, new_variables: dict, id: int) -> Path:
                   list(t.unsupported), dict(t.functions), list(t.unseeded_random),
                   list(t.fast_fallbacks))
     units = {s: replace(u, guard=ren(u.guard), result=ren(u.result), reads=ren(u.reads))
-             for s, u in path.units.items()}
+             for s, u in path.units.items() if not _names_old_object(u, t, keys)}
     return Path(path_signature(trace, units), trace, units, id=id, count=path.count,
                 liveouts=set(path.liveouts), fetch_points=dict(path.fetch_points),
                 outside_reads=set(path.outside_reads), verified=set(path.verified), by_role=True,
                 first_seen=path.first_seen, last_seen=path.last_seen)
+
+
+def _names_old_object(unit, trace: Trace, renamed) -> bool:
+    """Whether `unit` is a call of an object (its guard starts with the object's id) whose
+    records use a variable in `renamed` that its guard does not name: on the renamed path the
+    new variables belong to another object, and a call of the old one would pass the guard and
+    run the graph over the new variables (a layer made anew every epoch while the previous one
+    is still trained). Such a unit is left out there: its ops are matched one by one."""
+    if type(unit.guard[0]) is not int:
+        return False
+    named, stack = set(), list(unit.guard[2:])
+    while stack:
+        g = stack.pop()
+        if isinstance(g, VariableRef):
+            named.add(g.key)
+        elif isinstance(g, tuple):
+            stack.extend(g)
+    return any(isinstance(r, VariableRef) and r.key in renamed and r.key not in named
+               for i in range(unit.start, unit.end) for r in trace.records[i].input_refs())
 
 
 def id_of_handle(variable) -> int:
