@@ -7,6 +7,7 @@ is and why Terra needs it. Other parts of the project append their own clearly n
 from __future__ import annotations
 
 import contextlib as _contextlib
+import importlib as _importlib
 import threading as _threading
 
 from tensorflow.core.protobuf import config_pb2 as _config_pb2
@@ -651,6 +652,40 @@ def keras_loss_settings(loss) -> tuple | None:
     return (tuple((k, v) for k, v in vars(loss).items() if isinstance(v, plain)),
             id(getattr(loss, "fn", None)), tuple(sorted(kwargs.items())),
             str(getattr(loss, "dtype", None)))
+
+
+# Keras' built-in averaging metrics whose `update_state` is a unit as a built-in loss's call is
+# (module, classes defining the method): their Python only computes, and their state lives in
+# their variables. Other metrics (confusion matrices, IoU, AUC) keep op-by-op matching.
+KERAS_METRIC_UNIT_CLASSES = ("keras.src.metrics.reduction_metrics", ("Mean", "Sum",
+                                                                    "MeanMetricWrapper"))
+KERAS_BUILTIN_METRIC_MODULES = ("keras.src.metrics.",)
+
+
+def keras_metric_unit_methods() -> list:
+    """`(class, "update_state")` of each class of `KERAS_METRIC_UNIT_CLASSES` (none where this
+    Keras lays its metrics out otherwise: they keep op-by-op matching)."""
+    module, names = KERAS_METRIC_UNIT_CLASSES
+    try:
+        mod = _importlib.import_module(module)
+    except ImportError:
+        return []
+    return [(getattr(mod, n), "update_state") for n in names
+            if "update_state" in getattr(mod, n, object).__dict__]
+
+
+def keras_metric_settings(metric) -> tuple | None:
+    """What a built-in Keras metric's `update_state` depends on besides its inputs and its
+    variables: its plain attributes, its function and that function's keyword arguments; None
+    if it is not a built-in metric or a keyword argument is not a plain value."""
+    if not type(metric).__module__.startswith(KERAS_BUILTIN_METRIC_MODULES):
+        return None
+    kwargs = getattr(metric, "_fn_kwargs", {})
+    plain = (bool, int, float, str, type(None))
+    if not all(isinstance(v, plain) for v in kwargs.values()):
+        return None
+    return (tuple((k, v) for k, v in vars(metric).items() if isinstance(v, plain)),
+            id(getattr(metric, "_fn", None)), tuple(sorted(kwargs.items())))
 
 
 KERAS_TRAINER_BOUNDARIES = ("fit", "evaluate", "predict")

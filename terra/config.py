@@ -56,7 +56,8 @@ class Config:
       default every one that a young collection met was promoted, until a full collection of
       the whole process (yolov3_like: 3-5 ms of collection per 35 ms step). 0: left alone.
     layer_units: match calls of Keras' built-in layers, loss objects and plain Sequential /
-        functional models of built-in layers as one guarded unit each.
+        functional models of built-in layers, and the `update_state` of Keras' averaging
+        metrics (`Mean`, `Sum`, accuracies and errors), as one guarded unit each.
     user_layer_units: also match a call of a user-defined layer or model as one unit where its
         Python, watched while traced, only computed (terra/tracing/purity.py); needs
         `layer_units`.

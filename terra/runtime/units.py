@@ -143,6 +143,8 @@ def _pack_results(structure, flat):
     t = type(structure)
     if t is _TensorSpec:
         return flat[0]
+    if structure is None and not flat:  # a unit without results (a metric's update)
+        return None
     if (t is list or t is tuple) and len(structure) == len(flat) and \
             all(type(s) is _TensorSpec for s in structure):
         return t(flat)
@@ -317,7 +319,7 @@ def _switch_for_data(runner, unit) -> bool:
     return runner.iteration.switch(d, tried={id(runner.iteration.path)}, accepts=accepts)
 
 
-def layer_call(session, layer, original, args, kwargs, loss=False):
+def layer_call(session, layer, original, args, kwargs, loss=None, state=()):
     """A built-in Keras layer call, a call of a plain Sequential or functional model made of
     built-in layers, or (`loss`) of a built-in Keras loss object, as one coarse unit (guarded on
     the object, its plain Python settings and, for a model, each of its layers and theirs,
@@ -325,7 +327,10 @@ def layer_call(session, layer, original, args, kwargs, loss=False):
     it, an array or a tensor no recorded op made (the ids a functional model converted for its
     Embedding), is fed when the unit is skipped). A user-defined layer or model is a unit where
     its Python only computed while traced (user_units.py); its layers are units of their own
-    too, for the iterations where its guard fails."""
+    too, for the iterations where its guard fails. `loss` (a built-in loss's call or a built-in
+    metric's `update_state`) is the function that gives the object's settings; `state`, the
+    variables the call reads and writes, guarded too (a path renamed onto variables made anew,
+    `sites.renamed_path`, has the new ones in its guard: a call of the old object fails it)."""
     it = session.iteration
     if it is None or it.mode not in ON_PATH or session.layer_depth or \
             not (loss or getattr(layer, "built", False)):
@@ -333,7 +338,7 @@ def layer_call(session, layer, original, args, kwargs, loss=False):
     model = not loss and not type(layer).__module__.startswith(tfp.KERAS_BUILTIN_LAYER_MODULES)
     user = False
     if loss:
-        settings = tfp.keras_loss_settings(layer)
+        settings = loss(layer)
         if settings is None:
             return original(layer, *args, **kwargs)
     else:
@@ -350,7 +355,7 @@ def layer_call(session, layer, original, args, kwargs, loss=False):
             settings = layer_guards.user_settings(layer, read)
     # a call inside `stop_recording()` records no op: another unit than the recorded call
     settings = (tfp.tapes_recording(), settings)
-    flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True)
+    flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True) + list(state)
     data = True  # may be handed data straight (external tensors and arrays, fed when skipped)
     if data and not all(isinstance(x, (tfp.Tensor, tfp.BaseResourceVariable, np.ndarray, bool,
                                        int, float, str, type(None))) for x in flat):
@@ -420,8 +425,8 @@ def layer_call(session, layer, original, args, kwargs, loss=False):
             layer, layer_guards.read_containers(layer, watched.attributes)))
     if data:  # after the call: data passed straight to it is a feed now
         guard = (id(layer), settings) + tuple(_data_feed(rec, x) or guard_of(x) for x in flat)
-    with _terra_reads(it):
-        outs = tf.nest.flatten(result, expand_composites=True)
+    with _terra_reads(it):  # (a metric's `update_state` returns None: no results)
+        outs = [] if result is None else tf.nest.flatten(result, expand_composites=True)
         structure = _shape_of(result)
     refs = [rec.ref_of(t) if isinstance(t, tfp.EagerTensorBase) else None for t in outs]
     usable = (not any(isinstance(g, tuple) and g[0] == "external" for g in guard[2:])
@@ -643,7 +648,15 @@ def _layer_rule(session, layer, original, args, kwargs):
 def _loss_rule(session, loss, original, args, kwargs):
     if not CONFIG.layer_units:
         return original(loss, *args, **kwargs)
-    return layer_call(session, loss, original, args, kwargs, loss=True)
+    return layer_call(session, loss, original, args, kwargs, loss=tfp.keras_loss_settings)
+
+
+def _metric_rule(session, metric, original, args, kwargs):
+    if not CONFIG.layer_units or any(getattr(x, "_keras_mask", None) is not None
+                                     for x in (*args, *kwargs.values())):
+        return original(metric, *args, **kwargs)  # (a mask changes its ops, unguarded)
+    return layer_call(session, metric, original, args, kwargs, loss=tfp.keras_metric_settings,
+                      state=[v.value for v in metric.variables])
 
 
 def _function_rule(session, fn, original, args, kwargs):
@@ -657,7 +670,8 @@ def _api_rule(session, fn, original, args, kwargs):
 # kind (terra/tracing/hook.py's unit patches) -> the rule that guards, records or skips the
 # call as one unit (`tape.gradient` comes from the Terra tape itself: `gradient` above)
 UNIT_RULES = {"apply_gradients": _apply_gradients_rule, "layer": _layer_rule,
-              "loss": _loss_rule, "function": _function_rule, "api": _api_rule}
+              "loss": _loss_rule, "metric": _metric_rule, "function": _function_rule,
+              "api": _api_rule}
 
 
 def _past_end(d: Divergence) -> Divergence:

@@ -403,6 +403,8 @@ def _unit_table():
         table.append((keras_classes["layer"], "__delattr__", _wrap_layer_delattr))
     if "loss" in keras_classes:
         table.append((keras_classes["loss"], "__call__", _wrap_unit("loss")))
+    table += [(owner, name, _wrap_unit("metric")) for owner, name in
+              tfp.keras_metric_unit_methods()]
     table += [(owner, name, _wrap_api_unit) for owner, name in tfp.api_unit_functions()]
     table += [(owner, name, _wrap_api_method) for owner, name in tfp.api_unit_methods()]
     return table
