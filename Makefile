@@ -27,6 +27,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.fit
 	$(PY) -m benchmarks.soak
 	$(PY) -m benchmarks.breakdown
+	$(PY) -m benchmarks.ratio
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.run --quick
@@ -34,7 +35,7 @@ bench-quick: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-.PHONY: bench-coexec bench-pipeline bench-ada-grouper bench-real bench-fit bench-soak bench-breakdown bench-limits results
+.PHONY: bench-coexec bench-pipeline bench-ada-grouper bench-real bench-fit bench-soak bench-breakdown bench-ratio bench-limits results
 bench-coexec: $(STAMP)
 	$(PY) -m benchmarks.coexec
 
@@ -49,6 +50,9 @@ bench-soak: $(STAMP)
 
 bench-breakdown: $(STAMP)
 	$(PY) -m benchmarks.breakdown
+
+bench-ratio: $(STAMP)
+	$(PY) -m benchmarks.ratio
 
 bench-limits: $(STAMP)
 	$(PY) -m benchmarks.limits

@@ -19,7 +19,7 @@ SECTIONS = (
     ("dynamic/results.md", "python -m benchmarks.run --programs sdpoint,gpt2,fasterrcnn_like "
      "--modes eager,function,terra --steps 100 --out benchmarks/results/dynamic"),
     ("coexec.md", "python -m benchmarks.coexec"),
-    ("ratio.md", "python -m benchmarks.ratio"),
+    ("ratio.md", "make bench-ratio (python -m benchmarks.ratio)"),
     ("breakdown.md", "make bench-breakdown (python -m benchmarks.breakdown)"),
     ("limits.md", "make bench-limits (python -m benchmarks.limits)"),
     ("hook_overhead.md", "python -m benchmarks.hook_overhead"),
