@@ -676,7 +676,8 @@ def keras_metric_unit_methods() -> list:
 
 def keras_metric_settings(metric) -> tuple | None:
     """What a built-in Keras metric's `update_state` depends on besides its inputs and its
-    variables: its plain attributes, its function and that function's keyword arguments; None
+    variables: its plain attributes but its name, its function and that function's keyword
+    arguments; None
     if it is not a built-in metric or a keyword argument is not a plain value."""
     if not type(metric).__module__.startswith(KERAS_BUILTIN_METRIC_MODULES):
         return None
@@ -684,7 +685,9 @@ def keras_metric_settings(metric) -> tuple | None:
     plain = (bool, int, float, str, type(None))
     if not all(isinstance(v, plain) for v in kwargs.values()):
         return None
-    return (tuple((k, v) for k, v in vars(metric).items() if isinstance(v, plain)),
+    # (its name, unique per object, names its variables only: the unit is guarded on those)
+    return (tuple((k, v) for k, v in vars(metric).items() if isinstance(v, plain) and
+                  k != "name"),
             id(getattr(metric, "_fn", None)), tuple(sorted(kwargs.items())))
 
 

@@ -329,8 +329,9 @@ def layer_call(session, layer, original, args, kwargs, loss=None, state=()):
     its Python only computed while traced (user_units.py); its layers are units of their own
     too, for the iterations where its guard fails. `loss` (a built-in loss's call or a built-in
     metric's `update_state`) is the function that gives the object's settings; `state`, the
-    variables the call reads and writes, guarded too (a path renamed onto variables made anew,
-    `sites.renamed_path`, has the new ones in its guard: a call of the old object fails it)."""
+    variables the call reads and writes, which then stand for the object in the guard (a path
+    renamed onto variables made anew, `sites.renamed_path`, names the new ones: a call of the
+    new object passes it, one of the old object fails it)."""
     it = session.iteration
     if it is None or it.mode not in ON_PATH or session.layer_depth or \
             not (loss or getattr(layer, "built", False)):
@@ -356,6 +357,9 @@ def layer_call(session, layer, original, args, kwargs, loss=None, state=()):
     # a call inside `stop_recording()` records no op: another unit than the recorded call
     settings = (tfp.tapes_recording(), settings)
     flat = tf.nest.flatten((args, sorted(kwargs.items())), expand_composites=True) + list(state)
+    # a call guarded on its variables is guarded on its class, not on the object: a metric
+    # made anew every epoch matches the unit of the path renamed onto its variables
+    owner = id(type(layer)) if state else id(layer)
     data = True  # may be handed data straight (external tensors and arrays, fed when skipped)
     if data and not all(isinstance(x, (tfp.Tensor, tfp.BaseResourceVariable, np.ndarray, bool,
                                        int, float, str, type(None))) for x in flat):
@@ -368,14 +372,14 @@ def layer_call(session, layer, original, args, kwargs, loss=None, state=()):
 
     if it.mode == Mode.SKIP:
         unit = it.runner.view.units.get(it.runner.pos)
-        guard = (id(layer), settings) + tuple(guard_of(x) for x in flat)
+        guard = (owner, settings) + tuple(guard_of(x) for x in flat)
         if data and unit is not None and len(unit.guard) == len(guard) and \
                 unit.guard[:2] == guard[:2]:
             with session.internal():
                 fed = _feed_data_inputs(it.runner, unit.guard, guard, flat)
                 if fed is None and _switch_for_data(it.runner, unit):
                     unit = it.runner.view.units.get(it.runner.pos)  # the same call's unit
-                    guard = (id(layer), settings) + tuple(guard_of(x) for x in flat)
+                    guard = (owner, settings) + tuple(guard_of(x) for x in flat)
                     fed = _feed_data_inputs(it.runner, unit.guard, guard, flat)
             if fed is None:
                 return original(layer, *args, **kwargs)
@@ -402,7 +406,7 @@ def layer_call(session, layer, original, args, kwargs, loss=None, state=()):
                 session.layer_depth -= 1
     rec = it.recorder
     flat = [x._terra_materialize() if isinstance(x, Placeholder) else x for x in flat]
-    guard = (id(layer), settings) + tuple(guard_of(x) for x in flat)
+    guard = (owner, settings) + tuple(guard_of(x) for x in flat)
     start = len(rec.trace.records)
     depth = 0 if user else 1  # a user layer's layers are units of their own as well
     session.layer_depth += depth
@@ -424,7 +428,7 @@ def layer_call(session, layer, original, args, kwargs, loss=None, state=()):
         settings = (settings[0], layer_guards.user_settings(
             layer, layer_guards.read_containers(layer, watched.attributes)))
     if data:  # after the call: data passed straight to it is a feed now
-        guard = (id(layer), settings) + tuple(_data_feed(rec, x) or guard_of(x) for x in flat)
+        guard = (owner, settings) + tuple(_data_feed(rec, x) or guard_of(x) for x in flat)
     with _terra_reads(it):  # (a metric's `update_state` returns None: no results)
         outs = [] if result is None else tf.nest.flatten(result, expand_composites=True)
         structure = _shape_of(result)

@@ -14,6 +14,7 @@ import tensorflow as tf  # noqa: E402
 
 import terra  # noqa: E402
 from terra import _tf_private as tfp  # noqa: E402
+from terra.ir.records import VariableRef  # noqa: E402
 from terra.tracing import hook  # noqa: E402
 from tests.counting import CompileCounter  # noqa: E402
 
@@ -35,7 +36,8 @@ class DoubledAccuracy(keras.metrics.SparseCategoricalAccuracy):
         return super().update_state(y_true, 2.0 * y_pred, sample_weight)
 
 
-def train(Tape, steps=12, epoch=4, metric=None, change=None, weighted=False, keep=None):
+def train(Tape, steps=12, epoch=4, metric=None, change=None, weighted=False, keep=None,
+          anew=False):
     """The loop of Keras' "training loop from scratch" guide: a metric updated every step, its
     result read and reset every epoch, and a `Mean` of the loss."""
     keras.utils.set_random_seed(3)
@@ -53,6 +55,10 @@ def train(Tape, steps=12, epoch=4, metric=None, change=None, weighted=False, kee
     ws = rng.uniform(size=(steps, 16)).astype(np.float32)
     losses, results = [], []
     for i in range(steps):
+        if anew and i % epoch == 0:  # new metrics every epoch, as many programs make them
+            acc, mean = type(acc)(), keras.metrics.Mean()
+            if keep is not None:
+                keep += [acc, mean]
         if change is not None:
             change(acc, i)
         x, y = tf.constant(xs[i]), tf.constant(ys[i])
@@ -85,12 +91,17 @@ def both(keep=None, **kw):
 
 def metric_units(metrics):
     """(metric's index in `metrics`, ops) of each unit of the compiled paths that is a call of
-    one of `metrics`."""
-    (site,) = terra._SESSION.sites.values()
-    ids = {id(m): k for k, m in enumerate(metrics)}
-    return sorted({(ids[u.guard[0]], u.end - u.start) for p in site.paths.values()
-                   if p.graph is not None for u in p.units.values()
-                   if isinstance(u.guard[0], int) and u.guard[0] in ids})
+    one of `metrics` (its guard names the metric's variables)."""
+    keys = {id(v.value.handle): k for k, m in enumerate(metrics) for v in m.variables}
+    out = set()
+    for p in (p for s in terra._SESSION.sites.values() for p in s.paths.values()):
+        if p.graph is None:
+            continue
+        for u in p.units.values():
+            owners = {keys[g.key] for g in u.guard[2:] if isinstance(g, VariableRef) and
+                      g.key in keys}
+            out |= {(k, u.end - u.start) for k in owners}
+    return sorted(out)
 
 
 def counting_matches(monkeypatch):
@@ -116,6 +127,30 @@ def test_metric_updates_are_units_and_their_results_equal_eager(monkeypatch):
     # compiled iterations match no op one by one but the epochs' reads past the path's end
     assert {op for n, op in matched} == {"ReadVariableOp"}, matched
     assert {n for n, op in matched} == {4, 8, 12}, matched
+
+
+def test_metrics_made_anew_every_epoch_are_units_of_the_renamed_path(monkeypatch):
+    """A first tape before the loop files variable roles (roles.py): the next epochs' metrics
+    are made in the same place as the first's, so their steps are predicted on the first
+    epoch's graph over their variables, and the metrics' guards (their class, settings and
+    variables) hold for the new objects."""
+    def first_tape(Tape):  # a site of its own, in a frame that returns
+        with Tape():
+            tf.constant(0.0)
+
+    def program(Tape, **kw):
+        first_tape(Tape)
+        return train(Tape, **kw)
+    eager = program(tf.GradientTape, anew=True)
+    matched, metrics = counting_matches(monkeypatch), []
+    with CompileCounter() as c:
+        got = program(tf.TerraGradientTape, anew=True, keep=metrics)
+    assert got == eager, terra.explain()
+    c.assert_counts(traces=4, graph_builds=1, fallbacks=0, role_renames=2)
+    # (0 and 1: the pair `train` makes before its loop, unused here) each epoch's accuracy
+    # and mean are units of their own epoch's path
+    assert metric_units(metrics) == [(2, 21), (3, 9), (4, 21), (5, 9), (6, 21), (7, 9)]
+    assert {op for n, op in matched} == {"ReadVariableOp"}, matched
 
 
 def test_a_sample_weight_is_guarded_like_any_input():
