@@ -16,6 +16,7 @@ benchmarks/results/ratio.json and .md.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -30,10 +31,13 @@ MODES = ("function", "terra")
 DEFAULT_PROGRAMS = "cnn,transformer,resnet50,bert_qa,gpt2,dcgan,yolov3_like"
 
 
-def child(program: str, mode: str, steps: int, warmup: int) -> dict:
-    """One block in this process: build, warm up, time. Returns what the parent records."""
+def child(program: str, mode: str, steps: int, warmup: int, intra_op: int = 0) -> dict:
+    """One block in this process: build, warm up, time. Returns what the parent records.
+    `intra_op` > 0: TF's intra-op thread pool size, set before TF's runtime starts."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import tensorflow as tf
+    if intra_op:
+        tf.config.threading.set_intra_op_parallelism_threads(intra_op)
 
     import terra
     from benchmarks.breakdown import Subject
@@ -55,9 +59,9 @@ def child(program: str, mode: str, steps: int, warmup: int) -> dict:
     return out
 
 
-def run_block(program, mode, steps, warmup, timeout=900) -> dict:
+def run_block(program, mode, steps, warmup, intra_op=0, timeout=900) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.ratio", "--child", program, mode,
-           "--steps", str(steps), "--warmup", str(warmup)]
+           "--steps", str(steps), "--warmup", str(warmup), "--intra-op", str(intra_op)]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -82,7 +86,8 @@ def markdown(results: dict, meta: dict) -> str:
     lines = ["# Terra / tf.function, each block in a process of its own (benchmarks/ratio.py)", "",
              f"{meta['machine']}; TF {meta['tf']}; {meta['rounds']} rounds; per process "
              f"{meta['warmup']} warm-up and {meta['steps']} timed steps; the two modes alternate "
-             "within a round, in the other order the next round.", "",
+             "within a round, in the other order the next round; TF's intra-op threads: "
+             f"{meta.get('intra_op') or 'its default'}.", "",
              "| program | tf.function ms | Terra ms | Terra / tf.function | rounds' ratios, "
              "lowest-highest | Terra program-thread CPU ms per step |",
              "|---|---|---|---|---|---|"]
@@ -100,31 +105,35 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=15)
+    ap.add_argument("--intra-op", type=int, default=0,
+                    help="TF's intra-op threads in both modes' processes (0: TF's default)")
     ap.add_argument("--out", default=RESULTS, help="folder for ratio.json and .md")
     ap.add_argument("--child", nargs=2, metavar=("PROGRAM", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
-        ap.error("--rounds and --steps must be positive, --warmup not negative")
+    if args.rounds < 1 or args.steps < 1 or args.warmup < 0 or args.intra_op < 0:
+        ap.error("--rounds and --steps must be positive, --warmup and --intra-op not negative")
     if args.child:
         program, mode = args.child
         if mode not in MODES:
             ap.error(f"mode {mode!r}: choose from {', '.join(MODES)}")
-        print(json.dumps(child(program, mode, args.steps, args.warmup)), flush=True)
+        print(json.dumps(child(program, mode, args.steps, args.warmup, args.intra_op)),
+              flush=True)
         return
     programs = args.programs.split(",")
     blocks = {p: {m: [] for m in MODES} for p in programs}
     for r in range(args.rounds):
         for p in programs:
             for m in (MODES if r % 2 == 0 else MODES[::-1]):
-                blocks[p][m].append(run_block(p, m, args.steps, args.warmup))
+                blocks[p][m].append(run_block(p, m, args.steps, args.warmup, args.intra_op))
             got = blocks[p]
             print(f"round {r + 1} {p:12s} tf.function "
                   f"{np.median(got['function'][-1]['wall_ms']):8.2f} ms  terra "
                   f"{np.median(got['terra'][-1]['wall_ms']):8.2f} ms", flush=True)
-    import tensorflow as tf
     results = {p: summarize(blocks[p]) for p in programs}
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "tf": tf.__version__,
+    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "tf": importlib.metadata.version("tensorflow"),
             "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
+            "intra_op": args.intra_op,
             "date": time.strftime("%Y-%m-%d")}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "ratio.json"), "w") as f:

@@ -48,3 +48,5 @@ def test_bad_arguments_are_refused():
         ratio.main(["--rounds", "0"])
     with pytest.raises(SystemExit):
         ratio.main(["--child", "cnn", "eager"])
+    with pytest.raises(SystemExit):
+        ratio.main(["--intra-op", "-1"])
