@@ -166,6 +166,22 @@ def test_new_tensor_uid_increases():
     assert b > a and tf.constant(0.0)._id > b
 
 
+def test_eager_tensor_of_array_copies_like_conversion():
+    import numpy as np
+    for arr in (np.arange(12, dtype=np.int32).reshape(3, 4), np.float32(2.5) * np.ones((2,)),
+                np.array(True)):
+        d = tf.as_dtype(arr.dtype)
+        t = tfp.eager_tensor_of_array(arr, d)
+        ref = tf.convert_to_tensor(arr)
+        assert isinstance(t, tfp.EagerTensor) and t.dtype == d and t.shape == ref.shape
+        assert np.array_equal(t.numpy(), ref.numpy())
+        assert t.device == ref.device
+    arr = np.zeros(3, np.float32)
+    t = tfp.eager_tensor_of_array(arr, tf.float32)
+    arr[:] = 7  # the tensor holds a copy: a later change of the array is not seen
+    assert t.numpy().tolist() == [0.0, 0.0, 0.0]
+
+
 def test_function_call_guard_is_installed_once_and_wraps():
     from terra.runtime.placeholders import ConstantResolver, Placeholder
     Placeholder.create(tf.float32, [], ConstantResolver(1.0))

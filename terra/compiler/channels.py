@@ -19,6 +19,7 @@ and adds the difference to a float64 variable. `FetchChannel.get` accumulates th
 import collections
 import time
 
+import numpy as np
 import tensorflow as tf
 
 from terra import _tf_private as tfp
@@ -26,6 +27,11 @@ from terra.errors import ChannelClosedError, TerraRuntimeError, TerraTimeoutErro
 
 __all__ = ["FeedChannel", "FetchChannel", "FeedFetchOrder", "case_select_channel",
            "loop_cond_channel", "DEFAULT_TIMEOUT", "wait_until", "drop_elements"]
+
+# Python's side of a channel runs TF's raw queue ops (public, no per-call name scope)
+_QueueEnqueue = tf.raw_ops.QueueEnqueueV2
+_QueueDequeue = tf.raw_ops.QueueDequeueV2
+_QueueSize = tf.raw_ops.QueueSizeV2
 
 #: Bound, in seconds, of every Python-side wait when the caller gives none.
 DEFAULT_TIMEOUT = 60.0
@@ -133,7 +139,8 @@ class _Channel:
 
     def size(self):
         """Number of elements in the queue now (eager)."""
-        return int(self.queue.size())
+        # (the raw op: `QueueBase.size` opens a name scope per call, and a fetch polls this)
+        return int(_QueueSize(handle=self.queue.queue_ref))
 
     def _pack(self, comps):
         return comps[0] if self.single else tuple(comps)
@@ -147,8 +154,13 @@ class _Channel:
         for v, d, s in zip(comps, self.dtypes, self.shapes):
             # (an eager tensor of the dtype is its own conversion: TF's dispatch for it costs
             # more than the enqueue's Python; the commit token and most data come so)
-            t = v if isinstance(v, tfp.EagerTensorBase) and v.dtype == d else \
-                tf.convert_to_tensor(v, dtype=d)
+            if isinstance(v, tfp.EagerTensorBase) and v.dtype == d:
+                t = v
+            elif type(v) is np.ndarray and v.dtype == d.as_numpy_dtype:
+                t = tfp.eager_tensor_of_array(v, d)  # (what conversion does, without its
+                # dispatch: a feed of the batch's array every step)
+            else:
+                t = tf.convert_to_tensor(v, dtype=d)
             if s.rank is not None and not s.is_compatible_with(t.shape):
                 raise ValueError(f"{self.name}: value of shape {t.shape} does not fit {s}")
             out.append(t)
@@ -188,7 +200,9 @@ class FeedChannel(_Channel):
             wait_until(lambda: self.size() < self.capacity, lambda: f"{self!r} (full)",
                        timeout)
         try:
-            self.queue.enqueue(comps)
+            # the raw op: `QueueBase.enqueue` would convert and check again what `_convert`
+            # made, in a name scope, on every put
+            _QueueEnqueue(handle=self.queue.queue_ref, components=comps)
         except tf.errors.CancelledError as e:
             raise ChannelClosedError(f"{self!r} is closed") from e
         self.puts += 1
@@ -273,7 +287,7 @@ class FetchChannel(_Channel):
         recent.append(waited)
         self.wait_seconds += waited
         self.gets += 1
-        comps = _as_list(self.queue.dequeue())
+        comps = _QueueDequeue(handle=self.queue.queue_ref, component_types=self.dtypes)
         return self._pack(comps)
 
     def reset_stats(self):
