@@ -43,7 +43,8 @@ class Config:
       folding, it rewrites arithmetic around constants, which changes rounding; the gradients of
       an Embedding + LayerNormalization model differed from eager's by an ulp from the first
       compiled step, and Adam amplified that past 1e-5 on directions the loss does not depend on
-      (tests/fuzz seeds 776 and 891 of the slow sweep; equal without it).
+      (tests/fuzz seeds 776 and 891 of the slow sweep; equal without it). Integer shape
+      arithmetic is folded either way, exactly, when the graph is built (compiler/fold.py).
     timeout_s: bound of every internal wait; reaching it raises TerraTimeoutError naming the op.
     verbose: 0 silent, 1 one line per trace/fallback/graph build, 2 also per iteration.
     max_trace_ops: recording stops (site treated as unsupported) beyond this many ops.

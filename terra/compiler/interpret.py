@@ -54,6 +54,38 @@ def constant(ref: ConstRef):
     return tf.constant(np.array(ref.value, dtype=np_dtype), dtype=ref.dtype)
 
 
+def _thaw_attr(attr_type, value):
+    if attr_type == "type":
+        return tf.as_dtype(value).as_datatype_enum
+    if attr_type == "list(type)":
+        return [tf.as_dtype(x).as_datatype_enum for x in value]
+    if attr_type == "shape":
+        return None if value is None else list(value)
+    if attr_type == "list(shape)":
+        return [None if s is None else list(s) for s in value]
+    if attr_type.startswith("list("):
+        return list(value)
+    return value
+
+
+_thawed: dict = {}
+
+
+def attrs_flat(rec) -> tuple:
+    """Op record `rec`'s attrs as eager execution takes them (`execute.execute`'s flat
+    name, value, ... tuple), cached per op type and attrs."""
+    key = (rec.op_type, rec.attrs)
+    out = _thawed.get(key)
+    if out is None:
+        op_def = tfp.get_op_def(rec.op_type)
+        types = {a.name: a.type for a in op_def.attr}
+        flat = []
+        for name, value in rec.attrs:
+            flat += [name, _thaw_attr(types[name], value)]
+        out = _thawed[key] = tuple(flat)
+    return out
+
+
 class Interpreter:
     """Runs `trace.records` into `env` ((record, output index) -> value); `feeds[slot]` is a
     feed's value. Subclasses emit: `variable`, `op` and `function` (and may widen `feed` or
@@ -134,4 +166,4 @@ class Interpreter:
         return self.env
 
 
-__all__ = ["Interpreter", "arg_dtypes", "input_dtypes", "constant"]
+__all__ = ["Interpreter", "arg_dtypes", "input_dtypes", "constant", "attrs_flat"]

@@ -18,7 +18,8 @@ from typing import Sequence
 import tensorflow as tf
 
 from terra import _tf_private as tfp
-from terra.compiler.interpret import Interpreter
+from terra.compiler.fold import FOLDABLE, fold
+from terra.compiler.interpret import Interpreter, attrs_flat
 from terra.ir.op_kinds import HOST_OPS
 from terra.ir.records import FeedRef, OutputRef, Trace, VariableRef
 
@@ -102,14 +103,19 @@ class GraphReplay(Interpreter):
             return []
         op_def = tfp.get_op_def(rec.op_type)
         args = self.arg_values(rec, op_def)
+        flat = []
+        for v in args:
+            if isinstance(v, list):
+                flat.extend(v)
+            else:
+                flat.append(v)
+        if rec.op_type in FOLDABLE:  # shape arithmetic the graph knows: a constant (fold.py)
+            values = fold(rec.op_type, flat, dict(rec.attrs), attrs_flat(rec),
+                          [o.dtype for o in rec.outputs])
+            if values is not None:
+                return [tf.constant(v, dtype=o.dtype) for v, o in zip(values, rec.outputs)]
         protos = _protos_of(rec, op_def)
         if protos is not None:
-            flat = []
-            for v in args:
-                if isinstance(v, list):
-                    flat.extend(v)
-                else:
-                    flat.append(v)
             try:
                 # straight from the recorded attrs (all of them are recorded): about half the
                 # Python of `_apply_op_helper`, which converts inputs and infers attrs again

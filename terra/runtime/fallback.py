@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from terra import _tf_private as tfp
 from terra.ir.op_kinds import HOST_OPS
-from terra.compiler.interpret import Interpreter
+from terra.compiler.interpret import Interpreter, attrs_flat
 from terra.ir.records import Feed, FeedRef, TensorSpec, Trace, VariableRef
 from terra.runtime.placeholders import Placeholder
 
@@ -159,36 +159,6 @@ class Snapshot:
 
 
 # ------------------------------------------------------------------------------------ eager replay
-def _thaw_attr(attr_type, value):
-    if attr_type == "type":
-        return tf.as_dtype(value).as_datatype_enum
-    if attr_type == "list(type)":
-        return [tf.as_dtype(x).as_datatype_enum for x in value]
-    if attr_type == "shape":
-        return None if value is None else list(value)
-    if attr_type == "list(shape)":
-        return [None if s is None else list(s) for s in value]
-    if attr_type.startswith("list("):
-        return list(value)
-    return value
-
-
-_thawed: dict = {}
-
-
-def _attrs_flat(rec) -> tuple:
-    key = (rec.op_type, rec.attrs)
-    out = _thawed.get(key)
-    if out is None:
-        op_def = tfp.get_op_def(rec.op_type)
-        types = {a.name: a.type for a in op_def.attr}
-        flat = []
-        for name, value in rec.attrs:
-            flat += [name, _thaw_attr(types[name], value)]
-        out = _thawed[key] = tuple(flat)
-    return out
-
-
 class EagerReplay(Interpreter):
     """The eager emitter of the trace interpreter: executes records eagerly (recording gradients
     on active tapes) into `env`."""
@@ -302,7 +272,7 @@ class EagerReplay(Interpreter):
             # through the variable, so active tapes watch it as eager did
             return [self.trace.variables[rec.inputs[0].key].value()]
         execute = tfp.execute_module
-        attrs = _attrs_flat(rec)
+        attrs = attrs_flat(rec)
         outs = execute.execute(rec.op_type, len(rec.outputs), inputs, attrs, tfp.context())
         if outs and execute.must_record_gradient():
             execute.record_gradient(rec.op_type, inputs, attrs, outs)
