@@ -153,6 +153,12 @@ def create_op(op_type: str, flat_inputs, protos: dict, op_def):
     return op.outputs
 
 
+def control_inputs_pending() -> bool:
+    """Whether an op created now in the default graph gets control inputs from an enclosing
+    `tf.control_dependencies` block."""
+    return bool(_ops.get_default_graph()._current_control_dependencies())  # pylint: disable=protected-access
+
+
 def add_control_input(op, control) -> None:
     """Make graph op `op`, already created, wait for op `control` (what TF's automatic control
     dependencies do after the fact; terra/compiler/commit.py gates writes this way)."""

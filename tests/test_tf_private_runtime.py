@@ -166,6 +166,21 @@ def test_new_tensor_uid_increases():
     assert b > a and tf.constant(0.0)._id > b
 
 
+def test_control_inputs_pending_sees_control_dependencies_blocks():
+    seen = []
+
+    def body():
+        seen.append(tfp.control_inputs_pending())
+        with tf.control_dependencies([tf.no_op()]):
+            seen.append(tfp.control_inputs_pending())
+            with tf.control_dependencies(None):
+                seen.append(tfp.control_inputs_pending())
+        seen.append(tfp.control_inputs_pending())
+        return tf.constant(0)
+    tf.function(body, autograph=False).get_concrete_function()
+    assert seen == [False, True, False, False]
+
+
 def test_eager_tensor_of_array_copies_like_conversion():
     import numpy as np
     for arr in (np.arange(12, dtype=np.int32).reshape(3, 4), np.float32(2.5) * np.ones((2,)),

@@ -18,6 +18,10 @@ A rule here folds only what is exact:
   integer-to-float conversion are exact, so the graph's results stay bit-identical to eager's.
 An op whose eager run fails is left in the graph (it fails there, as in eager), and so is one
 whose outputs would be large constants (`MAX_ELEMENTS`).
+
+Once shapes are constants, the reductions over no axes and reshapes to the input's own shape
+that eager's gradient code issues wherever a shape could have been broadcast are the identity
+(`IDENTITY_RULES`: TF's kernels forward their input then): the graph hands the input on.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import tensorflow as tf
 
 from terra import _tf_private as tfp
 
-__all__ = ["FOLDABLE", "EVALUATED", "MAX_ELEMENTS", "fold"]
+__all__ = ["FOLDABLE", "EVALUATED", "IDENTITY_RULES", "MAX_ELEMENTS", "fold", "identity_input"]
 
 #: Largest number of elements of all outputs of one folded op (a constant lives in the graph).
 MAX_ELEMENTS = 4096
@@ -81,7 +85,43 @@ EVALUATED = frozenset({
     "Unpack", "ZerosLike",
 })
 
-FOLDABLE = frozenset(STATIC_SHAPE_RULES) | EVALUATED
+def _no_axes(inputs):
+    axes = _const_value(inputs[1])
+    return axes is not None and axes.size == 0
+
+
+def _own_shape(inputs):
+    x = inputs[0]
+    shape = _const_value(inputs[1])
+    return shape is not None and x.shape.is_fully_defined() and \
+        [int(d) for d in np.ravel(shape)] == x.shape.as_list() and shape.ndim == 1
+
+
+def _ones(inputs):
+    multiples = _const_value(inputs[1])
+    return multiples is not None and bool(np.all(multiples == 1))
+
+
+#: Ops whose output is their first input, value for value, when the rule holds: TF's kernels
+#: forward the input buffer then (a reduction over no axes, a reshape or broadcast to the
+#: input's own shape, a tile by ones). Eager's gradient code issues them wherever a shape could
+#: have been broadcast; the graph passes the input on instead of scheduling a kernel.
+IDENTITY_RULES = {
+    "Sum": _no_axes, "Mean": _no_axes, "Max": _no_axes, "Min": _no_axes, "Prod": _no_axes,
+    "Reshape": _own_shape, "BroadcastTo": _own_shape, "Tile": _ones,
+}
+
+FOLDABLE = frozenset(STATIC_SHAPE_RULES) | EVALUATED | frozenset(IDENTITY_RULES)
+
+
+def identity_input(op_type: str, flat_inputs) -> int | None:
+    """The position of the input that op `op_type` would output unchanged (see
+    `IDENTITY_RULES`), or None. Not while the graph adds control inputs to new ops (a gated
+    span: the op's consumers must still wait where it would have)."""
+    rule = IDENTITY_RULES.get(op_type)
+    if rule is None or len(flat_inputs) < 2 or tfp.control_inputs_pending():
+        return None
+    return 0 if rule(flat_inputs) else None
 
 
 def _const_value(t):

@@ -18,7 +18,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from terra import _tf_private as tfp
-from terra.compiler.fold import FOLDABLE, fold
+from terra.compiler.fold import FOLDABLE, fold, identity_input
 from terra.compiler.interpret import Interpreter, attrs_flat
 from terra.ir.op_kinds import HOST_OPS
 from terra.ir.records import FeedRef, OutputRef, Trace, VariableRef
@@ -110,6 +110,9 @@ class GraphReplay(Interpreter):
             else:
                 flat.append(v)
         if rec.op_type in FOLDABLE:  # shape arithmetic the graph knows: a constant (fold.py)
+            same = identity_input(rec.op_type, flat)
+            if same is not None:
+                return [flat[same]]
             values = fold(rec.op_type, flat, dict(rec.attrs), attrs_flat(rec),
                           [o.dtype for o in rec.outputs])
             if values is not None:

@@ -7,7 +7,8 @@ import numpy as np
 import tensorflow as tf
 
 from terra.compiler import compile_trace, substitute_feeds
-from terra.compiler.fold import EVALUATED, MAX_ELEMENTS, STATIC_SHAPE_RULES, fold
+from terra.compiler.fold import (EVALUATED, IDENTITY_RULES, MAX_ELEMENTS, STATIC_SHAPE_RULES,
+                                 fold, identity_input)
 from terra.tracing import Recorder
 
 I32 = "int32"
@@ -90,8 +91,44 @@ def test_float_results_non_constant_inputs_failing_and_large_ops_are_left_in_the
         assert out[k] is None, k
 
 
+def test_identities_hand_the_input_on_unless_control_inputs_are_pending():
+    def build():
+        x = tf.zeros([2, 3])
+        fed = tf.compat.v1.placeholder(tf.float32, [None, 3])
+        no_axes, axis = tf.constant([], tf.int32), tf.constant([1])
+        out = {
+            "sum over no axes": identity_input("Sum", [x, no_axes]),
+            "sum over an axis": identity_input("Sum", [x, axis]),
+            "reshape to own shape": identity_input("Reshape", [x, tf.constant([2, 3])]),
+            "reshape to another": identity_input("Reshape", [x, tf.constant([3, 2])]),
+            "reshape of unknown": identity_input("Reshape", [fed, tf.constant([2, 3])]),
+            "shape fed": identity_input("Reshape", [x, fed]),
+            "tile by ones": identity_input("Tile", [x, tf.constant([1, 1])]),
+            "tile by two": identity_input("Tile", [x, tf.constant([1, 2])]),
+            "not a rule": identity_input("AddV2", [x, x]),
+        }
+        with tf.control_dependencies([tf.no_op()]):
+            out["gated"] = identity_input("Sum", [x, no_axes])
+        return out
+    out = _in_graph(build)
+    assert {k for k, v in out.items() if v is not None} == {
+        "sum over no axes", "reshape to own shape", "tile by ones"}
+    assert out["sum over no axes"] == 0
+
+
+def test_identity_rules_match_what_tf_computes():
+    x = tf.reshape(tf.range(6, dtype=tf.float32), [2, 3])
+    for op in ("Sum", "Mean", "Max", "Min", "Prod"):
+        assert op in IDENTITY_RULES
+        y = getattr(tf.raw_ops, op)(input=x, axis=tf.constant([], tf.int32))
+        np.testing.assert_array_equal(y.numpy(), x.numpy())
+    np.testing.assert_array_equal(tf.raw_ops.Tile(input=x, multiples=[1, 1]).numpy(), x.numpy())
+    np.testing.assert_array_equal(tf.raw_ops.BroadcastTo(input=x, shape=[2, 3]).numpy(),
+                                  x.numpy())
+
+
 def test_rule_tables_hold_only_ops_tf_knows():
-    for op in set(EVALUATED) | set(STATIC_SHAPE_RULES):
+    for op in set(EVALUATED) | set(STATIC_SHAPE_RULES) | set(IDENTITY_RULES):
         assert tf.raw_ops.__dict__.get(op) is not None, op
 
 
@@ -134,6 +171,10 @@ def test_a_replayed_training_step_loses_its_shape_ops_and_stays_bit_identical():
     fn = compile_trace(rec.trace, [rec.ref_of(loss0)])
     ops = _ops(fn.concrete)
     assert ops["Shape"] == ops["ShapeN"] == ops["BroadcastGradientArgs"] == 0
+    assert ops["Sum"] < recorded["Sum"]  # eager's sums over no axes are handed on
+    for op in fn.concrete.graph.get_operations():  # (none is left)
+        if op.type == "Sum" and op.inputs[1].op.type == "Const":
+            assert tf.make_ndarray(op.inputs[1].op.get_attr("value")).size > 0
     replayed = [loss0.numpy()] + [fn(substitute_feeds(rec.trace, [(x0, x), (y0, y)]))[0].numpy()
                                   for x, y in batches[1:]]
     np.testing.assert_array_equal(np.array(eager), np.array(replayed))
