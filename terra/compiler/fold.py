@@ -151,6 +151,9 @@ def fold(op_type: str, flat_inputs, attrs: dict, attrs_flat: tuple, out_dtypes) 
         return None
     values = []
     for t in flat_inputs:
+        n = t.shape.num_elements() if isinstance(t, tf.Tensor) else None
+        if n is None or n > MAX_ELEMENTS:  # (a large constant is data, not a shape)
+            return None
         v = _const_value(t)
         if v is None:
             return None

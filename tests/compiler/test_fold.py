@@ -83,11 +83,18 @@ def test_float_results_non_constant_inputs_failing_and_large_ops_are_left_in_the
             "large": fold("Fill", [tf.constant([MAX_ELEMENTS + 1]), tf.constant(1)],
                           {"T": I32, "index_type": I32}, _attrs(T=t32, index_type=t32), [I32]),
             "not a rule": fold("MatMul", [ints, ints], {}, (), [I32]),
+            "large input": fold("Max", [tf.constant(np.zeros(MAX_ELEMENTS + 1, np.int32)),
+                                        tf.constant([0])],
+                                {"T": I32}, _attrs(keep_dims=False, T=t32, Tidx=t32), [I32]),
+            "small input": fold("Identity", [tf.constant([5, 6])], {"T": I32}, _attrs(T=t32),
+                                [I32]),
         }
     out = _in_graph(build)
     assert out["cast of int"][0].dtype == np.float32
     assert out["cast of int"][0].tolist() == [3.0, 4.0]
-    for k in ("float add", "cast of float", "fed input", "bad reshape", "large", "not a rule"):
+    assert out["small input"][0].tolist() == [5, 6]
+    for k in ("float add", "cast of float", "fed input", "bad reshape", "large", "not a rule",
+              "large input"):
         assert out[k] is None, k
 
 
