@@ -70,6 +70,11 @@ class Config:
       iteration boundary). Off by default: graph construction is Python and holds the GIL, so
       on the 2-core machine measured the builder slowed the program's thread more than it
       saved (docs/usage.md, "Background builds").
+    tiered_instantiation: a new graph's first runs skip Grappler (its instantiation is then
+      a third as long) while a second thread instantiates it with Grappler, which the runs
+      started after that use (runtime/tiers.py). Only with `grappler`, and only for a site's
+      later graphs. Off by default: on the 2-core machine measured the second thread's
+      instantiation took the CPU back from the program (docs/usage.md, "Tiered instantiation").
     site_graph: a site with two or more compiled paths runs one lowered graph for all of them
       (switch_case / while_loop): a branch Python takes is a Case-Select put, not a restart.
       Off by default (docs/usage.md, "Branches: the site graph": slower where measured, and
@@ -105,6 +110,7 @@ class Config:
     api_units: bool = True
     site_graph: bool = False
     background_builds: bool = False
+    tiered_instantiation: bool = False
     shape_groups: bool = True
     commit_writes: bool = True
 
@@ -115,7 +121,7 @@ _CHECKS = {
     "enabled": (bool,), "coexecution": (bool,), "overlap_iterations": (bool,), "xla": (bool,), "grappler": (bool,),
     "arithmetic_optimizer": (bool,), "remapper": (bool,), "constant_folding": (bool,), "layer_units": (bool,),
     "user_layer_units": (bool,), "api_units": (bool,), "site_graph": (bool,),
-    "background_builds": (bool,), "shape_groups": (bool,), "commit_writes": (bool,),
+    "background_builds": (bool,), "tiered_instantiation": (bool,), "shape_groups": (bool,), "commit_writes": (bool,),
     "max_traces": (int,), "max_fallbacks": (int,), "verbose": (int,), "max_trace_ops": (int,),
     "tracing_gc_threshold": (int,), "coexec_gc_threshold": (int,),
     "timeout_s": (int, float),

@@ -31,7 +31,7 @@ __all__ = ["Builds"]
 
 class Builds:
     def __init__(self, *, sites: dict, counters, graphs: list, event, internal, go_eager,
-                 warm=None):
+                 warm=None, tiers=None):
         self.sites = sites
         self.counters = counters
         self.graphs = graphs        # every graph built (drained after a failed run)
@@ -42,6 +42,7 @@ class Builds:
         # warm(fn, config): instantiate a new graph's function ahead of its first run
         # (GraphRunner.warm), while the program's thread goes on
         self.warm = warm
+        self.tiers = tiers          # tiers.Tiers: first runs without Grappler (tiers.py)
 
     def build(self, site, path, number, reuse_only=False):
         """Give `path` a graph: another path's over its variables, or its own, built here or
@@ -232,7 +233,7 @@ class Builds:
             g.graph = gp.graph = graph
             for m in g.members:
                 self._attach(site, g, m)
-        self._built(graph)
+        self._built(graph, site)
         self.counters.graph_builds += 1
         site.builds += 1
         self.event("graph_build", site, number,
@@ -247,7 +248,7 @@ class Builds:
         path.graph = graph
         path.built_for = key
         path.built_count = path.built_count or path.count
-        self._built(graph)
+        self._built(graph, site)
         self.counters.graph_builds += 1
         site.builds += 1
         self.event("graph_build", site, number,
@@ -259,11 +260,20 @@ class Builds:
                    + f"{seconds:.2f} s{where}")
         self.site_graph(site, number)
 
-    def _built(self, graph) -> None:
+    def _built(self, graph, site) -> None:
+        """Keep `graph` and have it instantiated ahead of its first run: a site's first graph
+        with the configured rewrites; a later one (a new path of a site that runs graphs
+        already, whose first run the program would wait for) quick, tiered up meanwhile
+        (tiers.py). A static program's one graph is not tiered: on gpt2 the quick tier's run
+        and the concurrent instantiation made its first compiled steps slower, not faster."""
         self.graphs.append(graph)
         if self.warm is not None:
             with self.internal():
-                self.warm(graph.concrete, graph.run_config)
+                if self.tiers is not None and CONFIG.grappler and \
+                        CONFIG.tiered_instantiation and site.builds:
+                    self.tiers.start(graph)
+                else:
+                    self.warm(graph.concrete, graph.run_config)
 
     def install_finished(self) -> None:
         """Put the graphs the builder has finished in place (at an iteration boundary). A build
@@ -344,7 +354,7 @@ class Builds:
                        f"{type(e).__name__}: {str(e)[:200]}; paths switch by restarting")
             return
         site.site_graph = sg
-        self._built(sg)
+        self._built(sg, site)
         self.counters.graph_builds += 1
         self.event("graph_build", site, number, f"site graph (switch_case / while_loop) for "
                    f"{sg.describe()}, {sg.build_seconds:.2f} s; branches switch without a "

@@ -270,6 +270,13 @@ class GraphRunner:
             self._ensure_thread()
             self._cv.notify_all()
 
+    def instantiate(self, fn, config=None) -> None:
+        """What `warm` does, on the calling thread (another than the worker): instantiate
+        ConcreteFunction `fn` with run config `config` while the worker goes on."""
+        warm = GraphRun(None, fn, (), config=config)
+        warm.manager.start_cancel()
+        self._instantiate(warm)
+
     @property
     def done(self):
         """True when no started run is pending or running."""

@@ -52,6 +52,7 @@ from terra.runtime.roles import VariableRoles
 from terra.runtime.executable import PathRun
 from terra.runtime.site_graph import SiteRun
 from terra.runtime.sites import Site
+from terra.runtime.tiers import Tiers
 from terra.tracing import gc_window, hook
 from terra.tracing.recorder import ContinuingRecorder
 from terra.tracing.locations import caller_step_try
@@ -87,7 +88,8 @@ class Session:
         self.roles = VariableRoles()      # where each variable was made (roles.py)
         self.builds = Builds(sites=self.sites, counters=self.counters, graphs=self._graphs,
                              event=self.event, internal=self.internal, go_eager=self._go_eager,
-                             warm=self.runner.warm)
+                             warm=self.runner.warm,
+                             tiers=Tiers(self.runner, self.runner.warm))
         self.filing = Filing(builds=self.builds, counters=self.counters, event=self.event,
                              go_eager=self._go_eager)
         self.inflight = InFlight(runner=self.runner, graphs=self._graphs, internal=self.internal,
@@ -333,6 +335,7 @@ class Session:
         with self.internal():
             self.runner.cancel(timeout=CONFIG.timeout_s)
         self.builds.builder.shutdown()
+        self.builds.tiers.shutdown()
         Snapshot.forget_templates()
         if self._installed:
             hook.on_variable(None)
