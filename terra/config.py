@@ -84,6 +84,11 @@ class Config:
       which computes those constants from the shapes it holds where the members show how: a
       new length runs on it untraced, or costs a trace and no build (docs/usage.md, "Varying
       shapes"). Not with site_graph.
+    speculation: a new path of a site that runs graphs already, which resizes an image to a
+      size Python computed, gets a shape group's graph of its own, with that size put and the
+      counts made from it computed (runtime/shape_groups.py, `speculate`): the path with
+      another size joins it at its first trace with no build (docs/usage.md, "Varying
+      shapes"). Needs `shape_groups`.
     commit_writes: a compiled path's variable writes wait until Python has ended the iteration
       on its path (or reads a value that depends on a write), and the graph's ops that can fail
       on their data run first: a run abandoned or failed before then has written nothing, so no
@@ -112,6 +117,7 @@ class Config:
     background_builds: bool = False
     tiered_instantiation: bool = False
     shape_groups: bool = True
+    speculation: bool = True
     commit_writes: bool = True
 
 
@@ -121,7 +127,8 @@ _CHECKS = {
     "enabled": (bool,), "coexecution": (bool,), "overlap_iterations": (bool,), "xla": (bool,), "grappler": (bool,),
     "arithmetic_optimizer": (bool,), "remapper": (bool,), "constant_folding": (bool,), "layer_units": (bool,),
     "user_layer_units": (bool,), "api_units": (bool,), "site_graph": (bool,),
-    "background_builds": (bool,), "tiered_instantiation": (bool,), "shape_groups": (bool,), "commit_writes": (bool,),
+    "background_builds": (bool,), "tiered_instantiation": (bool,), "shape_groups": (bool,), "speculation": (bool,),
+    "commit_writes": (bool,),
     "max_traces": (int,), "max_fallbacks": (int,), "verbose": (int,), "max_trace_ops": (int,),
     "tracing_gc_threshold": (int,), "coexec_gc_threshold": (int,),
     "timeout_s": (int, float),

@@ -13,7 +13,7 @@ import terra
 COUNTED = ("iterations", "traces", "new_paths", "graph_builds", "graph_reuses", "role_renames", "fallbacks",
            "path_switches",
            "case_switches", "held_iterations", "held_switches", "pure_tails", "static_reads",
-           "eager_twins", "twin_units", "verdicts_kept")
+           "eager_twins", "twin_units", "verdicts_kept", "speculations", "speculation_hits")
 
 
 class CompileCounter:

@@ -20,8 +20,8 @@ from terra.runtime.builder import Builder
 from terra.runtime.fallback import Snapshot, written_variables
 from terra.runtime.path_graph import PathGraph, skip_fetch_points
 from terra.runtime.path_view import PathView
-from terra.runtime.shape_groups import (Relaxed, ShapeGroup, derive, member_values, relax,
-                                        rules_hold)
+from terra.runtime.shape_groups import (Relaxed, ShapeGroup, covers_open, derive,
+                                        member_values, relax, rules_hold, speculate)
 from terra.runtime.site_graph import SiteGraph
 from terra.runtime.sites import (Path, reads_feed_values, renamed_path,
                                  variable_renaming)
@@ -72,6 +72,8 @@ class Builds:
             if CONFIG.background_builds:
                 self.builder.submit(site, path, number, PathGraph)
                 return
+            if self._speculate(site, path, number):
+                return
             graph = PathGraph(path)
         self.install(site, path, graph, path.build_key(), number, time.perf_counter() - t)
 
@@ -114,6 +116,33 @@ class Builds:
         return q
 
     # ------------------------------------------------------------------ shape groups
+    def _speculate(self, site, path, number) -> bool:
+        """Build `path`'s graph as a shape group of one (`speculation`, shape_groups.speculate):
+        a path of a site that has taken another compilable path before (its steps vary), whose
+        image size a later step may change too (a ratio drawn per step). The path with the
+        other size then joins the group at its first trace with no build (`join_group`),
+        instead of a group built for both then. A site with one path so far (a static resize)
+        keeps its sizes constant in its graph."""
+        if not (CONFIG.speculation and CONFIG.shape_groups) or CONFIG.site_graph or \
+                path.why_uncompilable() or reads_feed_values(path.units) or \
+                not any(q is not path and not q.why_uncompilable()
+                        for q in site.paths.values()):
+            return False
+        relaxed = speculate(path.trace)
+        if relaxed is None:
+            return False
+        g = ShapeGroup(len(site.shape_groups), relaxed, Path(path.signature, relaxed.trace,
+                       path.units, id=-1), frozenset(), speculative=True)
+        site.shape_groups.append(g)
+        self._add_member(g, path, member_values(relaxed, path.trace))
+        path.built_count = path.built_count or path.count
+        self.counters.speculations += 1
+        self.event("trace", site, number, f"path p{path.id} resizes by a constant Python "
+                   f"computed: its graph is shape group g{g.id}'s ({g.dims()}), built for "
+                   f"the sizes a later path may take")
+        self.build_group(site, g, number)
+        return True
+
     def join_group(self, site, path, number) -> str | None:
         """File new path `path` in a shape group of `site` (shape_groups.py): one whose relaxed
         trace covers it runs it on the group's graph at once (no build); one it relaxes further
@@ -128,11 +157,18 @@ class Builds:
             if values is None:
                 continue
             # (a unit the graph gates must be one the member skips whole: it opens the gate)
-            covered = relaxed.trace.records == g.relaxed.trace.records and \
-                [f.spec for f in relaxed.trace.feeds] == [f.spec for f in g.relaxed.trace.feeds] \
-                and g.graph is not None and set(g.graph.gate_channels) <= set(path.usable_units()) \
+            covered = (relaxed.trace.records == g.relaxed.trace.records and
+                       [f.spec for f in relaxed.trace.feeds] ==
+                       [f.spec for f in g.relaxed.trace.feeds] or
+                       g.speculative and g.graph is not None and
+                       covers_open(g.graph, g.relaxed, relaxed)) and \
+                g.graph is not None and set(g.graph.gate_channels) <= set(path.usable_units()) \
                 and rules_hold(g.derived, relaxed, path.trace)
             if covered and g.graph is not None and not self._group_stale(g):
+                if g.speculative:  # a second member, which the graph runs: the group is real
+                    g.relaxed, g.speculative = relaxed, False
+                    g.path.trace = relaxed.trace
+                    self.counters.speculation_hits += 1
                 self._add_member(g, path, values)
                 t = time.perf_counter()
                 with self.internal():
@@ -142,7 +178,7 @@ class Builds:
                            f"shape group g{g.id} ({g.dims()}): no build, "
                            f"{time.perf_counter() - t:.3f} s")
                 return "reuse"
-            g.relaxed = relaxed
+            g.relaxed, g.speculative = relaxed, False
             self._add_member(g, path, values)
             self.build_group(site, g, number)
             return "build"
@@ -225,8 +261,10 @@ class Builds:
             gp.twin_misses = {r for m in g.members for r in m.twin_misses}
             gp.view = PathView(gp.trace, gp.units, site.key, site.caller_step_try,
                                gp.wanted())
-            # constants the graph computes from the shapes it holds are put by no member
-            g.derived = derive(g.relaxed, [m.trace for m in g.members])
+            # constants the graph computes from the shapes it holds are put by no member (a
+            # speculative group's one member puts all of its own: speculate)
+            if not g.speculative:
+                g.derived = derive(g.relaxed, [m.trace for m in g.members])
             graph = PathGraph(gp, unknown=g.unknown, derived=g.derived,
                               bundled=sorted(set(g.relaxed.const_sites) - set(g.derived)))
             graph.path = gp

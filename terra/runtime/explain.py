@@ -30,6 +30,8 @@ class Counters:
     fallbacks: int = 0
     graph_builds: int = 0
     graph_reuses: int = 0      # paths that run another path's graph over their own variables
+    speculations: int = 0      # paths built as a shape group of one (shape_groups.speculate)
+    speculation_hits: int = 0  # of those groups, joined by a second path with no build
     role_renames: int = 0      # of those, predicted over variables made anew (roles.py)
     path_switches: int = 0
     case_switches: int = 0

@@ -46,12 +46,18 @@ def compiled(site) -> bool:
     return any(p.graph is not None for p in site.paths.values())
 
 
+def _alone(path) -> bool:
+    """Whether `path` runs a graph of its own: no shape group, or a speculative one that no
+    second path has joined (shape_groups.speculate): a bet on it is a path graph's."""
+    return path.group is None or path.group.speculative
+
+
 def unused_once(site, number) -> int:
     """Graphs of the site built at their path's first sighting that were bad bets by iteration
     `number`: not served in the FIRST_SIGHT_WINDOW iterations since, or first served more than
     RARE_GAP iterations after the path was first seen (a bet that paid late stays counted)."""
     return sum(1 for p in site.paths.values()
-               if p.built_count == 1 and p.group is None and
+               if p.built_count == 1 and _alone(p) and
                (number - p.first_seen >= FIRST_SIGHT_WINDOW if p.first_hit is None
                 else p.first_hit - p.first_seen > RARE_GAP))
 
@@ -59,7 +65,7 @@ def unused_once(site, number) -> int:
 def late_once(site) -> int:
     """Paths first seen after the site compiled, seen once, never served (built or not)."""
     return sum(1 for p in site.paths.values()
-               if p.late and p.count == 1 and not p.hits and p.group is None)
+               if p.late and p.count == 1 and not p.hits and _alone(p))
 
 
 def due(site, path, number) -> bool:
@@ -87,7 +93,7 @@ class Tally:
         paths = site.paths.values()
         return cls(site.builds, sum(p.hits for p in paths),
                    site.fallbacks - site.known_fallbacks, late_once(site),
-                   sum(1 for p in paths if p.group is not None and p.count == 1 and not p.hits),
+                   sum(1 for p in paths if not _alone(p) and p.count == 1 and not p.hits),
                    max_traces, max_fallbacks)
 
 

@@ -27,10 +27,11 @@ import numpy as np
 import tensorflow as tf
 
 from terra.ir.records import ConstRef, Feed, FeedRef, OutputRef, TensorSpec, Trace, replace
+from terra.ir.op_kinds import DATA_DEPENDENT_SHAPE_OPS as _DATA_DEPENDENT
 from terra.tracing.recorder import frozen_value
 
 __all__ = ["ShapeGroup", "Relaxed", "current_record", "derive", "relax", "member_values",
-           "rules_hold"]
+           "rules_hold", "speculate", "covers_open"]
 
 SHAPE_CONSTANT = "shape-constant"   # Feed.source of a constant that differs between members
 
@@ -157,6 +158,9 @@ class ShapeGroup:
     graph: object = None
     derived: dict = field(default_factory=dict)  # slot -> rules: constants the graph computes
     claims: dict = field(default_factory=dict)   # id(member) -> {ref: its claimed shape}
+    # one member so far, its graph built for the shapes a second one is expected to differ in
+    # (`speculate`): its rules are that member's guesses until a second member's trace holds them
+    speculative: bool = False
 
     def dims(self) -> str:
         """The relaxed feed dimensions, for explain()."""
@@ -319,3 +323,108 @@ def _dims_rule(relaxed_trace, traces, before, col):
             if all(math.prod(s[d] for d in dims) == v for s, v in zip(shapes, col)):
                 return ("dims", ref, dims)
     return None
+
+
+# ----------------------------------------------------------------------------------- speculation
+# Image ops whose size input, a constant Python computed (`tf.image.resize(x, (h, h))` with `h`
+# from a random ratio), is a length a program may change from step to step; NHWC, so the
+# dimensions the size sets are 1 and 2 of the values downstream.
+SIZE_INPUTS = {"ResizeBilinear": 1, "ResizeNearestNeighbor": 1, "ResizeBicubic": 1,
+               "ResizeArea": 1}
+_SPATIAL = (1, 2)
+# the dimension sets of an NHWC value a count may take; each takes a spatial one
+_SPATIAL_SUBSETS = tuple(c for n in range(1, 5) for c in itertools.combinations(range(4), n)
+                         if set(c) & set(_SPATIAL))
+
+
+def speculate(trace: Trace) -> Relaxed | None:
+    """A relaxed trace for a shape group of one path, built before a second is seen: each image
+    size constant of `trace` (`SIZE_INPUTS`) becomes a shape constant the member puts, and so
+    does each constant downstream of it with an element that is, in this trace, a product of
+    dimensions of a value downstream that takes a spatial one (a mean's count, a tiling of the
+    gradient: what a path with another size would hold another value of). Every member puts its
+    own (none is computed: one trace cannot tell a rule from a coincidence, such as a batch of
+    16 against a 4 x 4 map), and the relaxed trace keeps this trace's exact shapes (nothing runs
+    with another shape on the group's graph until a second member joins; `covers_open` says
+    whether it may). None if `trace` has no such size, or an op whose shapes a member's trace
+    does not fix (a data-dependent op, a function call): then the path's own graph."""
+    records = trace.records
+    if any(r.route == "function" or r.op_type in _DATA_DEPENDENT for r in records):
+        return None
+    sizes = {r.index for r in records if r.op_type in SIZE_INPUTS and _small_int_const(
+        r.input_refs()[SIZE_INPUTS[r.op_type]])}
+    if not sizes:
+        return None
+    first = min(sizes)
+    downstream = set(sizes)
+    for r in records[first + 1:]:
+        if any(isinstance(x, OutputRef) and x.record in downstream for x in r.input_refs()):
+            downstream.add(r.index)
+    lengths = set()   # products of the spatial dimensions of values downstream, so far
+    feeds, values = list(trace.feeds), list(trace.feed_values)
+    const_sites, new_records = {}, list(records)
+    for i in sorted(downstream):
+        rec = records[i]
+        flat = list(rec.input_refs())
+        changed = False
+        for pos, ref in enumerate(flat):
+            if i in sizes and pos == SIZE_INPUTS[rec.op_type] or _holds_length(ref, lengths):
+                slot = len(feeds)
+                feeds.append(Feed(slot, TensorSpec(ref.dtype, tuple(np.shape(ref.value))),
+                                  SHAPE_CONSTANT))
+                values.append(constant_value(ref))
+                const_sites[slot] = (i, pos)
+                flat[pos], changed = FeedRef(slot), True
+        if changed:
+            it = iter(flat)
+            inputs = tuple(tuple(next(it) for _ in x) if isinstance(x, tuple) else next(it)
+                           for x in rec.inputs)
+            new_records[i] = replace(rec, inputs=inputs)
+        for o in rec.outputs:
+            if o.shape is not None and len(o.shape) == 4 and None not in o.shape:
+                lengths.update(math.prod(o.shape[d] for d in dims) for dims in _SPATIAL_SUBSETS)
+    out = Trace(trace.site, new_records, feeds, values, list(trace.fetches),
+                dict(trace.variables), list(trace.unsupported), dict(trace.functions),
+                list(trace.unseeded_random), list(trace.fast_fallbacks))
+    return Relaxed(out, const_sites)
+
+
+def _small_int_const(ref) -> bool:
+    return isinstance(ref, ConstRef) and ref.dtype in ("int32", "int64") and \
+        len(np.shape(ref.value)) == 1 and 0 < np.shape(ref.value)[0] <= 8
+
+
+def _holds_length(ref, lengths) -> bool:
+    """Whether constant `ref` (a number or a short vector) has an element in `lengths`."""
+    if not isinstance(ref, ConstRef) or ref.dtype not in _DERIVABLE:
+        return False
+    shape = np.shape(ref.value)
+    if len(shape) > 1 or int(np.prod(shape)) > 8:
+        return False
+    return any(float(v).is_integer() and int(v) >= 2 and int(v) in lengths
+               for v in constant_value(ref).reshape(-1).tolist())
+
+
+def covers_open(graph, group_relaxed: Relaxed, relaxed: Relaxed) -> bool:
+    """Whether `graph`, built for a speculative group's trace `group_relaxed`, runs a member
+    whose joining relaxed it to `relaxed`: the same ops, inputs and feeds, and every dimension
+    the members differ in is one the graph's own inference leaves open."""
+    if [f.spec for f in relaxed.trace.feeds] != [f.spec for f in group_relaxed.trace.feeds]:
+        return False
+    for a, b in zip(group_relaxed.trace.records, relaxed.trace.records):
+        if a.outputs == b.outputs:
+            if a != b:
+                return False
+            continue
+        if replace(a, outputs=b.outputs) != b:
+            return False
+        for j, o in enumerate(b.outputs):
+            if o.shape is None:
+                return False
+            known = graph.shapes.get(OutputRef(a.index, j))
+            if known is None or known.rank != len(o.shape):
+                return False
+            dims = known.as_list()
+            if any(d is None and g is not None for d, g in zip(o.shape, dims)):
+                return False
+    return True

@@ -101,13 +101,26 @@ def test_max_fallbacks_counts_only_unknown_fallbacks_and_yields_to_served_iterat
 
 
 def test_shape_members_traced_once_give_up_only_while_no_graph_served():
-    members = [_path(group=1) for _ in range(8)]
+    group = SimpleNamespace(speculative=False)
+    members = [_path(group=group) for _ in range(8)]
     site = _site(_path(count=2, graph=GRAPH), *members, builds=1)
     assert policy.give_up(_tally(site)) == (
         "shapes", "8 shapes traced once each on a shape group's graph served no compiled "
                   "iteration: its paths keep changing")
     members[0].hits = 1
     assert policy.give_up(_tally(site)) is None
+
+
+def test_a_speculative_groups_one_member_counts_as_a_path_of_its_own():
+    # a group of one (shape_groups.speculate) is a bet on a path graph, not a shape served
+    spec = [_path(late=True, group=SimpleNamespace(speculative=True)) for _ in range(4)]
+    site = _site(_path(count=2, graph=GRAPH), *spec, builds=1)
+    assert policy.late_once(site) == 4
+    assert _tally(site).unused_members == 0
+    for p in spec:
+        p.group.speculative = False
+    assert policy.late_once(site) == 0
+    assert _tally(site).unused_members == 4
 
 
 def test_the_first_rule_that_fires_names_the_verdict():
