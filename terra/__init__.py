@@ -24,7 +24,8 @@ def config(**changes) -> dict:
     """Change settings (see `terra.config.Config` for each: enabled, coexecution,
     overlap_iterations, max_traces, max_fallbacks, xla, grappler, arithmetic_optimizer, remapper,
     timeout_s, verbose, max_trace_ops, tracing_gc_threshold, coexec_gc_threshold, layer_units,
-    user_layer_units, site_graph, background_builds); with no arguments returns all current
+    user_layer_units, site_graph, background_builds, tiered_instantiation, shape_groups,
+    speculation, commit_writes); with no arguments returns all current
     settings. Returns the previous values of the changed settings otherwise."""
     if not changes:
         return _config_dict()
