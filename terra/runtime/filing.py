@@ -31,6 +31,7 @@ class Filing:
         rec = it.recorder
         trace = rec.stop()
         live = held_refs(rec)
+        rec.release()  # (the step's tensors: nothing reads them through the recorder now)
         self._counters.traces += 1
         site = it.site
         if not trace.records:

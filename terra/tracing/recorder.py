@@ -293,6 +293,14 @@ class Recorder(hook.Interceptor):
         self._copies.clear()
         return self.trace
 
+    def release(self) -> None:
+        """Drop the iteration's values the recorder maps to their records (every op output, the
+        feeds it saw), once its trace is filed. They are a whole step's tensors, activations
+        included; the iteration that owns the recorder may live on in a reference cycle until
+        a full garbage collection (a fallback's, with its runner), holding them all."""
+        self._produced.clear()
+        self._feeds.clear()
+
     def __enter__(self) -> "Recorder":
         return self.start(sys._getframe(1))
 
