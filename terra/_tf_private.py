@@ -22,6 +22,8 @@ from tensorflow.python.framework import op_def_library as _op_def_library
 from tensorflow.python.framework import op_def_registry as _op_def_registry
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.framework import tensor_util as tensor_util_module
+from tensorflow.python.framework import tensor_conversion_registry as _tensor_conversion_registry
+from tensorflow.python.types import core as _core_types
 from tensorflow.python.ops import gen_resource_variable_ops as _gen_rv
 from tensorflow.python.ops import resource_variable_ops as _rv
 
@@ -54,6 +56,14 @@ CONVERT_ATTR = "convert_to_eager_tensor"
 
 # `tensor_util.constant_value` pulls a value into Python (eager `tf.cond` uses it): a fetch point.
 CONSTANT_VALUE_ATTR = "constant_value"
+
+# An op's eager fallback (`gen_*_ops.*_eager_fallback`, taken when an input is not an eager
+# tensor) makes a list input one dtype with `execute.args_to_matching_eager`, looked up on the
+# module at every call: the dtype of its first `core_types.Value` (an eager tensor), else the
+# first element's own (a literal `0`: int32). A placeholder is a tensor but not a Value.
+MATCHING_ATTR = "args_to_matching_eager"
+CoreValue = _core_types.Value
+convert_registered = _tensor_conversion_registry.convert
 
 # TF's registered gradient functions (`ops.RegisterGradient`), looked up by op type at every
 # backward step of an eager tape (`backprop._gradient_function`). `GradientEntry(op_type)` shows

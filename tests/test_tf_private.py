@@ -53,6 +53,17 @@ def test_value_points():
     assert "_handle" in v.__dict__ and v.__dict__["_handle"] is v.handle
 
 
+def test_list_inputs_take_their_dtype_through_the_module():
+    """An op's eager fallback makes a list input one dtype with the module's
+    `args_to_matching_eager` (the hook's patch), from its first `core_types.Value`."""
+    from tensorflow.python.ops import gen_array_ops
+    assert list(inspect.signature(getattr(tfp.execute_module, tfp.MATCHING_ATTR)).parameters) == [
+        "l", "ctx", "allowed_dtypes", "default_dtype"]
+    assert f"_execute.{tfp.MATCHING_ATTR}(" in inspect.getsource(gen_array_ops.concat_v2_eager_fallback)
+    assert isinstance(tf.constant(1), tfp.CoreValue) and not issubclass(tf.Tensor, tfp.CoreValue)
+    assert tfp.convert_registered(tf.constant(1, tf.int64), tf.int64).dtype == tf.int64
+
+
 def test_replay_helpers():
     assert tfp.get_op_def("AddV2") is not None and tfp.get_op_def("no_such_op") is None
 

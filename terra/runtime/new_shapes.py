@@ -87,7 +87,8 @@ class NewShapes:
         group = self.iteration.path.group
         relaxed = group.relaxed.trace.records
         refs = [r for r in unit.result if isinstance(r, OutputRef)]
-        if all(None not in (relaxed[r.record].outputs[r.index].shape or (None,)) for r in refs):
+        if all(None not in (relaxed[r.record].outputs[r.index].shape or (None,)) and
+               r not in group.unknown for r in refs):
             for r in refs:
                 outs = self.new_shapes.get(r.record)
                 outs = list(outs) if outs is not None else \
@@ -106,7 +107,8 @@ class NewShapes:
             self._infer_shapes(records[i])
         if table is not None:
             table[key] = {i: self.new_shapes[i] for i in range(unit.start, unit.end)
-                          if records[i].op_type not in HOST_OPS}
+                          if i in self.new_shapes}  # (not a host op's, nor one the graph
+            # leaves open)
 
     def _current(self, rec, group):
         """Record `rec` with each shape constant the group's graph computes from shapes replaced
@@ -161,6 +163,12 @@ class NewShapes:
             self.new_shapes[rec.index] = known
             return
         group = self.iteration.path.group
+        if group is not None and any(OutputRef(rec.index, j) in group.unknown
+                                     for j in range(len(rec.outputs))):
+            # a shape no run of the graph knows before it runs (data sets it: a ragged row's
+            # length), whatever the members showed: the graph's, a sync point where it is read
+            # (`ShapeGroup.static_shape`)
+            return
         if group is not None:  # shapes every member shares need no inference
             relaxed = group.relaxed.trace.records[rec.index].outputs
             if all(o.shape is not None and None not in o.shape for o in relaxed):

@@ -233,6 +233,23 @@ def _wrap_constant_value(orig):
     return constant_value
 
 
+def _wrap_args_to_matching(orig):
+    """Eager takes a list input's dtype from its first tensor (`tf.concat([[0], n])` with an
+    int64 `n` is int64). TF looks only for eager tensors there, so where that tensor is a
+    placeholder (skip mode, or one a fallback bound) the literal before it would set int32: skip
+    mode would see another op than eager ran, and the fallback that follows would run it on
+    mixed dtypes. A placeholder sets the dtype as the eager tensor it stands for would."""
+    def args_to_matching_eager(l, ctx, allowed_dtypes, default_dtype=None):
+        for t in l:
+            if isinstance(t, tfp.CoreValue):
+                break
+            if hasattr(t, "_terra_materialize"):
+                dtype = t.dtype
+                return dtype.as_datatype_enum, [tfp.convert_registered(x, dtype) for x in l]
+        return orig(l, ctx, allowed_dtypes, default_dtype)
+    return args_to_matching_eager
+
+
 def _wrap_array_function(orig):
     """NumPy functions given an eager tensor (`np.squeeze(t)`, `np.argmax(t)`) read it through the
     buffer protocol, which calls no Python method of the tensor. While the hook is installed,
@@ -425,6 +442,7 @@ def _patch_table():
              (tfp.AtomicFunction, "call_flat", _wrap_call_flat),
              (tfp.constant_op_module, tfp.CONVERT_ATTR, _wrap_convert),
              (tfp.tensor_util_module, tfp.CONSTANT_VALUE_ATTR, _wrap_constant_value),
+             (tfp.execute_module, tfp.MATCHING_ATTR, _wrap_args_to_matching),
              (tfp.BaseResourceVariable, "handle", _wrap_handle),
              (tfp.ResourceVariable, tfp.VARIABLE_INIT_ATTR, _wrap_variable_init)]
     table += [(tfp.EagerTensorBase, m, _wrap_fetch(how)) for m, how in FETCH_METHODS.items()]

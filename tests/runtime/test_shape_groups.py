@@ -471,3 +471,42 @@ def test_a_length_of_one_runs_only_on_its_own_member():
     c.assert_counts(traces=3, graph_builds=1, graph_reuses=0, fallbacks=0, path_switches=1)
     (g,) = _groups()
     assert sorted(m.trace.feeds[0].spec.shape[1] for m in g.members) == [1, 7]
+
+
+def _ragged_rows(Tape, steps=12):
+    """Rows of varying lengths as a ragged batch, padded (`to_tensor`) and embedded: the
+    padded width is the longest row's, which the data sets, not a feed's shape."""
+    keras.utils.set_random_seed(0)
+    emb = keras.layers.Embedding(100, 8)
+    dense = keras.layers.Dense(1)
+    opt = keras.optimizers.SGD(0.1)
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(steps):
+        lengths = rng.integers(1, 5, size=2)
+        ids = rng.integers(0, 100, size=int(lengths.sum())).astype(np.int64)
+        y = rng.normal(size=2).astype(np.float32)
+        with Tape() as tape:
+            rows = tf.RaggedTensor.from_row_lengths(tf.constant(ids), tf.constant(lengths))
+            out = dense(tf.reduce_mean(emb(rows.to_tensor(0)), axis=1))
+            loss = tf.reduce_mean((out[:, 0] - y) ** 2)
+        params = emb.trainable_variables + dense.trainable_variables
+        opt.apply_gradients(zip(tape.gradient(loss, params), params))
+        losses.append(float(loss))
+    return losses, [v.numpy() for v in params]
+
+
+def test_a_shape_the_data_sets_is_not_taken_from_the_members():
+    """Two members whose padded width happened to be the same (4) do not make it the group's:
+    on the group's graph it is open, so an iteration fed another number of ids gets a
+    placeholder of unknown width (read: a sync point), not the members' 4 (which the value,
+    2 wide, then contradicted: a ValueError eager never raises). Ragged row splits are
+    `concat([[0], cumsum(lengths)])`: the literal takes the placeholder's int64, as eager's
+    takes the eager tensor's (tracing/hook.py)."""
+    eager = _ragged_rows(tf.GradientTape)
+    with CompileCounter() as c:
+        terra_ = _ragged_rows(tf.TerraGradientTape)
+    assert terra_[0] == eager[0]
+    for a, b in zip(terra_[1], eager[1]):
+        np.testing.assert_array_equal(a, b)
+    c.assert_counts(traces=5, fallbacks=2, graph_builds=2, graph_reuses=1)

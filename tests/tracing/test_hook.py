@@ -206,6 +206,27 @@ def test_placeholder_reaching_eager_execution_is_replaced_by_its_value():
     assert [r.op_type for r in rec.trace.records] == ["AddV2"]
 
 
+def test_a_placeholder_sets_a_list_inputs_dtype_as_an_eager_tensor_does():
+    """`tf.concat([[0], n])` with an int64 `n` is int64 in eager (TF takes a list's dtype from
+    its first eager tensor). A placeholder for `n` must set it too: TF alone would make the
+    literal int32 and fail on the mix (ragged row splits are built so)."""
+    from terra.runtime.placeholders import ConstantResolver, Placeholder
+
+    n = tf.constant([2, 5], tf.int64)
+    eager = tf.concat([[0], n], 0)
+    ph = Placeholder.create(tf.int64, (2,), ConstantResolver(n))
+    with Recorder() as rec:
+        out = tf.concat([[0], ph], 0)
+        first = tf.concat([ph, [7]], 0)
+    assert eager.dtype == out.dtype == first.dtype == tf.int64
+    np.testing.assert_array_equal(out.numpy(), [0, 2, 5])
+    np.testing.assert_array_equal(first.numpy(), [2, 5, 7])
+    assert [r.op_type for r in rec.trace.records] == ["ConcatV2", "ConcatV2"]
+    assert not hook.installed()
+    with pytest.raises(ValueError):  # TF alone: the placeholder asked for int32
+        tf.concat([[0], Placeholder.create(tf.int64, (2,), ConstantResolver(n))], 0)
+
+
 def test_unit_patches_are_in_the_table_and_reset_restores_them():
     """The coarse-unit patches (optimizer.apply_gradients, Keras Layer.__call__, tf.function
     calls) are hook patches: installed with the session's first iteration, restored by identity
