@@ -49,6 +49,7 @@ def test_value_points():
     assert list(inspect.signature(getattr(tfp.tensor_util_module, tfp.CONSTANT_VALUE_ATTR))
                 .parameters) == ["tensor", "partial"]
     assert isinstance(tfp.BaseResourceVariable.__dict__["handle"], property)
+    assert isinstance(tfp.EagerTensorBase.__dict__["shape"], property)  # (shape reads: hook)
     v = tf.Variable(1.0)
     assert "_handle" in v.__dict__ and v.__dict__["_handle"] is v.handle
 

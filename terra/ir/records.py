@@ -232,6 +232,8 @@ class Trace:
     #                                                      generator: graph replay cannot reproduce them
     fast_fallbacks: list = field(default_factory=list)   # indices of records whose fast-path attempt
     #                                                      raised the fallback exception first
+    shape_reads: dict = field(default_factory=dict)      # OutputRef -> records run when Python
+    #                                                      first read its shape (outside units)
 
     def __len__(self) -> int:
         return len(self.records)

@@ -240,7 +240,7 @@ class Builds:
             gp = g.path
             gp.trace = g.relaxed.trace
             gp.__dict__.pop("static", None)
-            fetch_points, liveouts = {}, set()
+            fetch_points, liveouts, shape_reads = {}, set(), {}
             for m in g.members:
                 if m.view is None:
                     m.view = PathView(m.trace, m.usable_units(), site.key, site.caller_step_try,
@@ -250,6 +250,8 @@ class Builds:
                 for ref, after in skip_fetch_points(m).items():
                     fetch_points[ref] = min(after, fetch_points.get(ref, after))
                 liveouts |= m.liveouts
+                for ref, after in m.shape_reads.items():
+                    shape_reads[ref] = min(after, shape_reads.get(ref, after))
             # units every member skips whole: the graph may gate only those (a member that
             # matches a unit's ops one by one never opens its gate); a fallback inside a unit
             # leaves that unit out of its trace
@@ -258,6 +260,7 @@ class Builds:
                         if all((o.get(s) or u).end == u.end and s in o for o in units[1:])}
             # (its view's eager twins come from what it wants: set that first)
             gp.fetch_points, gp.outside_reads, gp.liveouts = fetch_points, set(fetch_points), liveouts
+            gp.shape_reads = shape_reads
             gp.twin_misses = {r for m in g.members for r in m.twin_misses}
             gp.view = PathView(gp.trace, gp.units, site.key, site.caller_step_try,
                                gp.wanted())

@@ -30,6 +30,7 @@ class Filing:
         """File the trace `it` recorded (its recorder has stopped or is stopped here)."""
         rec = it.recorder
         trace = rec.stop()
+        shape_reads = trace.shape_reads  # (a generalized trace below is made anew)
         live = held_refs(rec)
         rec.release()  # (the step's tensors: nothing reads them through the recorder now)
         self._counters.traces += 1
@@ -75,7 +76,7 @@ class Filing:
             # predicted over new variables, now traced: its units' guards are this trace's (a
             # unit guarded on an object made anew with the variables, such as a task's optimizer)
             path.units, path.by_role, path.view = units, False, None
-        path.absorb(trace, live, trace.fetches, site.seen_objects)
+        path.absorb(trace, live, trace.fetches, site.seen_objects, shape_reads)
         path.last_seen = it.number
         for v in trace.feed_values:  # tensors seen as feeds: a unit may rely on TF's cached ones
             if isinstance(v, tfp.EagerTensorBase) and v.shape.num_elements() <= 64:

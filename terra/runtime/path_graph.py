@@ -47,6 +47,16 @@ def skip_fetch_points(path) -> dict:
              not any(a <= after <= b for a, b in spans))}
 
 
+def _shape_reads(path, unknown) -> None:
+    """Fetch each value whose shape Python read outside units while traced (`Path.shape_reads`)
+    where the graph leaves that shape open: skip mode's read of it waits for the value, which
+    the graph then has to give (learning such reads one fallback and one build at a time cost a
+    text batch's split four fallbacks). A shape the graph knows is answered without a fetch."""
+    for r, after in path.shape_reads.items():
+        if r in unknown:
+            path._add_fetch(r, after)
+
+
 def _unit_shape_checks(path, unknown) -> dict:
     """`{start: end}` of the path's coarse units whose Python may have read a shape the graph
     does not know before it runs (`PathView.shapes_read_by`): skip mode checks those shapes
@@ -99,6 +109,7 @@ class PathGraph:
         if guess and unknown:
             path.static.assume_unknown(unknown)
         gates = _unit_shape_checks(path, unknown)  # (adds the fetch points the checks read)
+        _shape_reads(path, unknown)
         if gates or skip_fetch_points(path) != fetch_points:
             lowered = LoweredPath(path.trace, skip_fetch_points(path), path.liveouts, CONFIG.xla,
                                   gates, bundled, derived, commit, held)

@@ -146,6 +146,9 @@ class Path:
     liveouts: set = field(default_factory=set)
     fetch_points: dict = field(default_factory=dict)   # OutputRef -> earliest after_record
     outside_reads: set = field(default_factory=set)  # refs read outside coarse units
+    # OutputRef -> earliest after_record of a `shape` read outside units: fetched where the
+    # graph leaves that shape open (path_graph.py `_shape_reads`)
+    shape_reads: dict = field(default_factory=dict)
     count: int = 0
     hits: int = 0
     graph: PathGraph | None = None
@@ -213,7 +216,7 @@ class Path:
     def usable_units(self) -> dict:
         return {s: u for s, u in self.units.items() if not u.feeds or s in self.verified}
 
-    def absorb(self, trace: Trace, liveouts, fetches, seen_objects=None) -> None:
+    def absorb(self, trace: Trace, liveouts, fetches, seen_objects=None, shape_reads=None) -> None:
         for u in self.units.values():  # unit feeds must be the very same (cached) tensors
             if u.start not in self.verified and (self.count and all(
                     trace.feed_values[sl] is self.trace.feed_values[sl] for sl in u.feeds) or
@@ -230,6 +233,10 @@ class Path:
                 self.fetch_points[f.ref] = f.after_record if prev is None else min(prev, f.after_record)
                 if not f.in_unit:
                     self.outside_reads.add(f.ref)
+        for ref, after in (shape_reads or {}).items():
+            if ref.record < len(self.trace.records):
+                prev = self.shape_reads.get(ref)
+                self.shape_reads[ref] = after if prev is None else min(prev, after)
 
     def absorb_fetch(self, ref, after_record: int) -> None:
         """A value Python read outside units, in an iteration that fell back at that read.

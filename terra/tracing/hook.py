@@ -57,6 +57,13 @@ class Interceptor:
     def fetch(self, tensor, how: str) -> None:
         """Python is about to materialize `tensor` (`how`: numpy, bool, float, ...)."""
 
+    #: whether `shape_read` is called (a recorder's; skip mode reads shapes of eager values only)
+    wants_shape_reads = False
+
+    def shape_read(self, tensor) -> None:
+        """Python reads eager `tensor`'s `shape` (free in eager; in a graph where the data sets
+        it, a value that must be fetched)."""
+
     def converted(self, value, dtype, tensor) -> None:
         """`value` (Python or NumPy) became eager tensor `tensor` without running an op."""
 
@@ -191,6 +198,21 @@ def _wrap_handle(orig):
             _notify(_active.variable_handle, self, h)
         return h
     return property(handle, doc=orig.__doc__)
+
+
+def _wrap_shape(orig):
+    """`EagerTensor.shape`, reported to a recorder: a trace then knows which shapes Python read,
+    and a graph that leaves one of them open (a `tf.where`'s count, a ragged batch's width)
+    fetches that value from its first build, where skip mode would otherwise fall back once per
+    such read to learn it."""
+    fget = orig.fget
+
+    def shape(self):
+        ic = _active
+        if ic is not None and ic.wants_shape_reads and not _busy and _get_ident() == _thread:
+            _notify(ic.shape_read, self)
+        return fget(self)
+    return property(shape, doc=orig.__doc__)
 
 
 def _wrap_fetch(how):
@@ -447,6 +469,7 @@ def _patch_table():
              (tfp.ResourceVariable, tfp.VARIABLE_INIT_ATTR, _wrap_variable_init)]
     table += [(tfp.EagerTensorBase, m, _wrap_fetch(how)) for m, how in FETCH_METHODS.items()]
     table.append((tfp.EagerTensorBase, "__array_function__", _wrap_array_function))
+    table.append((tfp.EagerTensorBase, "shape", _wrap_shape))
     table += [(_GRADIENT_ENTRIES[t], "fn", rule) for t, rule in GRADIENT_RULES.items()]
     return table + _unit_table()
 

@@ -390,6 +390,13 @@ class Recorder(hook.Interceptor):
         if ref is not None:
             self.trace.fetches.append(Fetch(ref, len(self.trace.records), how))
 
+    wants_shape_reads = True
+
+    def shape_read(self, tensor) -> None:
+        ref = self.ref_of(tensor)
+        if ref is not None:
+            self.trace.shape_reads.setdefault(ref, len(self.trace.records))
+
     def op(self, op_type, inputs, attrs, route, run):
         paused = pause_tracking()
         try:
@@ -782,6 +789,10 @@ class ContinuingRecorder(Recorder):
             d = dtype or tf.as_dtype(v.dtype).name
             return ConstRef(frozen_value(v, d), d)
         return super()._ref(v, dtype)
+
+    def shape_read(self, tensor) -> None:
+        if not self.muted and not self.unit_depth:  # (a unit's reads: its shape checks)
+            super().shape_read(tensor)
 
     def fetch(self, tensor, how: str) -> None:
         if self.muted:

@@ -183,3 +183,44 @@ def test_finished_iterations_are_freed_without_the_cyclic_collector():
     # one whose run is in flight
     assert max(counts) - counts[0] <= 1, (counts, terra.explain())
 
+
+
+def _selected(Tape, steps=STEPS):
+    """A count the data sets, read by Python as a shape (`sel.shape[0]`, `len(keep)`) outside
+    any unit, for a branch that never turns."""
+    keras.utils.set_random_seed(0)
+    w = tf.Variable(tf.random.normal((4, 5)) * 0.3)
+    opt = keras.optimizers.SGD(0.05)
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(steps):
+        f = tf.constant(rng.normal(size=(20, 4)).astype(np.float32))
+        with Tape() as tape:
+            p = f @ w
+            sel = tf.boolean_mask(p[:, 4], p[:, 4] > 0)
+            xy = tf.sigmoid(p[:, :2])
+            boxes = tf.concat([xy, xy + tf.sigmoid(p[:, 2:4]) * 0.3], 1)
+            keep = tf.image.non_max_suppression(tf.stop_gradient(boxes), p[:, 4], 8, 0.5)
+            loss = tf.reduce_mean(sel ** 2) + tf.reduce_mean(tf.gather(boxes, keep) ** 2)
+            if sel.shape[0] > 20 or len(keep) > 8:  # (never)
+                loss = loss * 2.0
+        opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+        losses.append(float(loss))
+    return losses, [w.numpy()]
+
+
+def test_a_shape_python_read_that_the_graph_leaves_open_is_fetched_from_the_first_build():
+    """The trace notes which shapes Python read (`Trace.shape_reads`); the first graph fetches
+    those the data sets, so skip mode's reads wait for the value instead of each costing a
+    fallback and a rebuild to learn it."""
+    from tests.counting import CompileCounter
+    eager = _selected(tf.GradientTape)
+    with CompileCounter() as c:
+        got = _selected(tf.TerraGradientTape)
+    assert got[0] == eager[0]
+    np.testing.assert_array_equal(got[1][0], eager[1][0])
+    c.assert_counts(traces=2, fallbacks=0, graph_builds=1)
+    path = next(p for s in SESSION.sites.values() for p in s.paths.values() if p.graph)
+    read = {r for r in path.shape_reads if r in path.graph.unknown_shapes}
+    assert len(read) >= 2 and read <= set(path.graph.fetch_channels)  # (boolean_mask's own
+    # Python reads shapes of its `Where` too)
