@@ -28,6 +28,16 @@ HOST_OPS = frozenset({
 }) | (UNSEEDED_RANDOM_OPS - {"RandomGammaGrad"})
 
 
+# A `tf.data` iterator's life: made (a new epoch's `for x in dataset`), started, read, dropped.
+# A trace whose step is followed only by these is cut before them (runtime/sites.py
+# `state_tail`): the program's own eager work between steps, not part of the step.
+ITERATOR_OPS = frozenset({
+    "AnonymousIteratorV2", "AnonymousIteratorV3", "MakeIterator", "DeleteIterator",
+    "IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional", "OptionalHasValue",
+    "OptionalGetValue", "OptionalNone",
+})
+
+
 # Ops whose output length depends on the values of their inputs: a coarse unit holding one may
 # have built its later ops from that length (the Python inside read `.shape`, free when eager),
 # so it is not skipped whole (terra/runtime/sites.py, `units_for`).

@@ -234,6 +234,8 @@ class Trace:
     #                                                      raised the fallback exception first
     shape_reads: dict = field(default_factory=dict)      # OutputRef -> records run when Python
     #                                                      first read its shape (outside units)
+    first_unsupported: int | None = None                 # the record of the first problem in
+    #                                                      `unsupported` (0: not an op's)
 
     def __len__(self) -> int:
         return len(self.records)

@@ -14,8 +14,9 @@ from terra.runtime.explain import EventKind
 from terra.runtime.generalize import generalize, read_changed_spans
 from terra.runtime.held import held_refs
 from terra.runtime.path_view import PathView
-from terra.runtime.sites import (KNOWN_FALLBACK_GAP, KNOWN_REUSE_GAP, Path, path_signature,
-                                 reads_feed_values, uncompilable, units_for)
+from terra.runtime.sites import (KNOWN_FALLBACK_GAP, KNOWN_REUSE_GAP, Path, cut_trace,
+                                 path_signature, reads_feed_values, state_tail, uncompilable,
+                                 units_for)
 
 
 class Filing:
@@ -43,6 +44,16 @@ class Filing:
         site.traces += 1
         units = units_for(trace, rec.units)
         why = uncompilable(trace, units)
+        tail = ""
+        cut = state_tail(trace, units) if why is not None else None
+        if cut is not None:  # the program's work after the step (the next epoch's iterator)
+            tail = f"; from op #{cut} ({trace.records[cut].op_type}) on, after the step: cut off"
+            live = {r for r in live if r.record < cut} | \
+                {f.ref for f in trace.fetches if f.ref.record < cut <= f.after_record}
+            trace = cut_trace(trace, cut)
+            shape_reads = trace.shape_reads
+            units = {s: u for s, u in units.items() if u.end <= cut}
+            why = uncompilable(trace, units)
         sig = path_signature(trace, units)
         path = site.paths.get(sig)
         if path is None and why is None and not reads_feed_values(units):
@@ -83,6 +94,7 @@ class Filing:
                 site.seen_objects[id(v)] = v
         detail = (f"new path p{path.id} ({len(trace.records)} ops, {len(trace.feeds)} feeds)"
                   if new else f"path p{path.id} seen {path.count} times")
+        detail += tail
         if why:
             detail += f"; not compilable: {why}"
         building = self._builds.builder.building(path)

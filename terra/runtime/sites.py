@@ -10,7 +10,7 @@ import functools
 from typing import TYPE_CHECKING
 
 from terra import _tf_private as tfp
-from terra.ir.op_kinds import DATA_DEPENDENT_SHAPE_OPS, HOST_OPS
+from terra.ir.op_kinds import DATA_DEPENDENT_SHAPE_OPS, HOST_OPS, ITERATOR_OPS
 from terra.ir.records import FeedRef, OutputRef, TensorSpec, Trace, VariableRef, replace
 from terra.runtime.fallback import Snapshot, unsnapshotable
 from terra.runtime.python_runner import PythonRunner
@@ -479,3 +479,40 @@ def uncompilable(trace, units=None) -> str | None:
     if any(f.spec.dtype in ("variant", "resource", "string") for f in trace.feeds):
         return "a feed of a type channels cannot carry"
     return unsnapshotable(trace)
+
+
+def state_tail(trace, units) -> int | None:
+    """The record where a trace that cannot be compiled only for what came after its step
+    begins (the next epoch's iterator, made after the last batch's step), or None.
+
+    A tail qualifies when every problem of the trace is at or after that record and the tail
+    holds only a `tf.data` iterator's ops (`ITERATOR_OPS`), none recorded by a tape nor inside
+    a coarse unit: the program's own eager work between steps. (Not variables made there: an
+    optimizer's slots made by its first apply are the step's, and a model made anew is taken
+    by role, roles.py.) Cut there (`cut_trace`), the trace is the step's path: skip mode ends
+    the iteration where the tail begins and runs the tail eagerly, as it does for the same
+    tail after a full batch's path. Without the cut, a smaller last batch fell back every
+    epoch (its only trace held the iterator's creation)."""
+    k = trace.first_unsupported
+    if not k or trace.unseeded_random:
+        return None
+    records = trace.records
+    if any(r.taped or r.op_type not in ITERATOR_OPS for r in records[k:]) or \
+            any(u.end > k for u in units.values()):
+        return None
+    used = {e.slot for r in records[:k] for e in r.input_refs() if isinstance(e, FeedRef)}
+    if used != set(range(len(used))):  # (slots are numbered in first-use order)
+        return None
+    return k
+
+
+def cut_trace(trace: Trace, k: int) -> Trace:
+    """`trace`'s first `k` records, with the feeds they use (see `state_tail`); a read after the
+    cut of a value before it is a read at the cut."""
+    n = len({e.slot for r in trace.records[:k] for e in r.input_refs() if isinstance(e, FeedRef)})
+    return Trace(trace.site, trace.records[:k], trace.feeds[:n], trace.feed_values[:n],
+                 [replace(f, after_record=min(f.after_record, k)) for f in trace.fetches
+                  if f.ref.record < k],
+                 dict(trace.variables), [], dict(trace.functions), [],
+                 [i for i in trace.fast_fallbacks if i < k],
+                 {r: min(a, k) for r, a in trace.shape_reads.items() if r.record < k})

@@ -626,6 +626,7 @@ def force_eager(session, what: str) -> None:
                                f"{what} runs eagerly"))
     if it.mode == Mode.TRACING:
         it.recorder.trace.unsupported.append(f"{what} is not compiled")
+        it.recorder.trace.first_unsupported = 0
 
 
 def router(session):

@@ -467,6 +467,8 @@ class Recorder(hook.Interceptor):
         self._add(rec, outputs)
         for problem in self._problems:
             trace.unsupported.append(f"{op_type}: {problem}")
+            if trace.first_unsupported is None:
+                trace.first_unsupported = rec.index
 
     def _record_unsupported(self, op_type, route, result, location, why) -> None:
         outputs = _flat_outputs(result)
@@ -480,6 +482,8 @@ class Recorder(hook.Interceptor):
                        op_type if route == "function" else None, tfp.tapes_recording())
         self._add(rec, [t for t in outputs if isinstance(t, tfp.EagerTensorBase)])
         self.trace.unsupported.append(f"{op_type}: {why}")
+        if self.trace.first_unsupported is None:
+            self.trace.first_unsupported = rec.index
 
     def _add(self, rec: OpRecord, outputs) -> None:
         self.trace.records.append(rec)
@@ -824,6 +828,7 @@ class ContinuingRecorder(Recorder):
         if len(self.trace.records) >= self.max_ops:
             self.too_long = True
             self.trace.unsupported.append(f"more than {self.max_ops} ops in one iteration")
+            self.trace.first_unsupported = 0
             return run()
         return super().op(op_type, inputs, attrs, route, run)
 

@@ -372,9 +372,12 @@ def test_a_tf_data_epoch_whose_last_batch_is_smaller():
     _assert_same(got, eager)
     # the two 4-batch iterations (next batch 4, next batch 2) form the group: the first two
     # batches of every epoch run its graph. The last batch's iteration makes the next epoch's
-    # iterator (state: not compilable), so it falls back and traces once per epoch. (Without
-    # shape groups that repeating uncompilable path keeps the site eager from the second epoch.)
-    c.assert_counts(iterations=12, traces=6, graph_builds=2, graph_reuses=0, fallbacks=4)
+    # iterator after its step (state: not compilable); its trace is cut where that begins
+    # (`sites.state_tail`), so the 2-batch step is a path of its own, traced once, and every
+    # later epoch's last batch runs its graph and ends there, the iterator made eagerly. (Before
+    # the cut, it fell back and traced once per epoch: 6 traces, 4 fallbacks.)
+    c.assert_counts(iterations=12, traces=3, graph_builds=2, graph_reuses=0, fallbacks=1)
+    assert terra.explain().count("after the step: cut off") == 1
 
 
 def test_an_op_error_inside_a_groups_graph_is_eagers_and_names_the_users_line():
