@@ -36,6 +36,7 @@ class BuildInputs:
         self.verified = set(path.verified)
         self.fetch_points = dict(path.fetch_points)
         self.outside_reads = set(path.outside_reads)
+        self.shape_reads = dict(path.shape_reads)
         self.liveouts = set(path.liveouts)
         self.twin_misses = set(path.twin_misses)
         self.static = path.static

@@ -54,7 +54,9 @@ def _shape_reads(path, unknown) -> None:
     text batch's split four fallbacks). A shape the graph knows is answered without a fetch."""
     for r, after in path.shape_reads.items():
         if r in unknown:
-            path._add_fetch(r, after)
+            prev = path.fetch_points.get(r)
+            path.fetch_points[r] = after if prev is None else min(prev, after)
+            path.outside_reads.add(r)
 
 
 def _unit_shape_checks(path, unknown) -> dict:

@@ -225,12 +225,12 @@ def test_an_index_of_a_value_of_data_dependent_length_is_matched_one_by_one():
     with CompileCounter() as c:
         got = run(tf.TerraGradientTape)
     _assert_same(got, eager)
-    # counts 3 and 2 form the group; step 3 learns the fetch of the loss and traces the third
-    # count; from then on a step whose count another member was traced with switches to it at
-    # the gradient unit (its input's shape), twice where the path it started on was the third
-    # one's: no step reads the gradient's indices (the update does not, nor does Terra's own
+    # counts 3 and 2 form the group, whose graph fetches the count Python read while traced
+    # (learning it cost step 3 a fallback, a trace and a rebuild); from then on a step whose
+    # count another member was traced with switches to it at the gradient unit (its input's
+    # shape): no step reads the gradient's indices (the update does not, nor does Terra's own
     # flattening of the gradients: `units._flat_gradients` builds no TypeSpec)
-    c.assert_counts(traces=3, graph_builds=2, fallbacks=1, path_switches=4)
+    c.assert_counts(traces=2, graph_builds=1, fallbacks=0, path_switches=3)
     # `y[:, 0]` and `y[:, 1]` are units on every path; `tf.where(...)[:, 0]` is not
     paths = sum(len(s.paths) for s in SESSION.sites.values())
     assert _api_units().count("_slice_helper") == 2 * paths
