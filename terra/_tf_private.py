@@ -785,6 +785,22 @@ def stop_recording():
     return record.stop_recording()
 
 
+@_contextlib.contextmanager
+def resume_recording():
+    """Context in which this thread's tapes record even where a `stop_recording()` stopped them
+    (`record.stop_recording`'s own calls, undone and redone): `ops.init_scope` stops them while
+    a variable is made, so a fallback at a `tf.Variable(...)` inside a tape replays the ops
+    eager recorded before it in there."""
+    stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
+    if stopped:
+        pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
+    try:
+        yield
+    finally:
+        if stopped:
+            pywrap_tfe.TFE_Py_TapeSetStopOnThread()
+
+
 # ---- co-execution: tf.function calls as coarse units (terra/runtime/units.py) ------------------
 # Checked by tests/test_tf_private_function_units.py.
 # A `tf.function` call is skipped as a whole in co-execution (TF never sees placeholder

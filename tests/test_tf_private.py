@@ -50,6 +50,19 @@ def test_value_points():
                 .parameters) == ["tensor", "partial"]
     assert isinstance(tfp.BaseResourceVariable.__dict__["handle"], property)
     assert isinstance(tfp.EagerTensorBase.__dict__["shape"], property)  # (shape reads: hook)
+    for name in ("TFE_Py_TapeSetIsStopped", "TFE_Py_TapeSetStopOnThread",
+                 "TFE_Py_TapeSetRestartOnThread"):  # (`resume_recording`)
+        assert callable(getattr(tfp.pywrap_tfe_module, name)), name
+    with tfp.stop_recording():
+        with tf.GradientTape() as tape:
+            w = tf.Variable(2.0)
+            y = w * w
+        assert tape.gradient(y, w) is None  # (stopped: what `resume_recording` undoes)
+        with tfp.resume_recording():
+            with tf.GradientTape() as tape:
+                w = tf.Variable(2.0)
+                y = w * w
+            assert float(tape.gradient(y, w)) == 4.0
     v = tf.Variable(1.0)
     assert "_handle" in v.__dict__ and v.__dict__["_handle"] is v.handle
 

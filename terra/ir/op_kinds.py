@@ -29,13 +29,19 @@ HOST_OPS = frozenset({
 
 
 # A `tf.data` iterator's life: made (a new epoch's `for x in dataset`), started, read, dropped.
-# A trace whose step is followed only by these is cut before them (runtime/sites.py
-# `state_tail`): the program's own eager work between steps, not part of the step.
+# A trace whose step is followed by a dataset or iterator being made is cut before it
+# (runtime/sites.py `state_tail`): what follows is the program's own eager work between steps
+# (an epoch's end: Keras' validation pass, the next epoch's iterator), not part of the step.
 ITERATOR_OPS = frozenset({
     "AnonymousIteratorV2", "AnonymousIteratorV3", "MakeIterator", "DeleteIterator",
     "IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional", "OptionalHasValue",
     "OptionalGetValue", "OptionalNone",
 })
+
+
+def makes_data_pipeline(op_type: str) -> bool:
+    """A `tf.data` dataset or iterator op (`TensorSliceDataset`, `AnonymousIteratorV3`, ...)."""
+    return op_type in ITERATOR_OPS or op_type.endswith(("Dataset", "DatasetV2", "DatasetV3"))
 
 
 # Ops whose output length depends on the values of their inputs: a coarse unit holding one may

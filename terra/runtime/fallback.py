@@ -205,25 +205,29 @@ class EagerReplay(Interpreter):
                     tfp.PlainGradientTape.watch(t, v)
         resumed = []
         try:
-            for rec in self.trace.records[:upto]:
-                for t, a, b in spans:
-                    if a == rec.index and t not in resumed:
-                        tfp.resume_tape(t)
-                        resumed.append(t)
-                        for v in self.pre_watch.get(t, ()):
-                            tfp.PlainGradientTape.watch(t, v)
-                    if b == rec.index and t in resumed:
-                        tfp.pause_tape(t)
-                        resumed.remove(t)
-                if self.rewrite is not None:
-                    new = self.rewrite(rec, self._shape_of)
-                    if new is not rec:
-                        rec = self.rewritten[rec.index] = new
-                self.step(rec)  # (`at`: the failing record on an error)
+            with tfp.resume_recording():  # (records say which ops a tape recorded: `emit`)
+                self._run(upto, spans, resumed)
         finally:
             for t in resumed:
                 tfp.pause_tape(t)
         return self.env
+
+    def _run(self, upto, spans, resumed) -> None:
+        for rec in self.trace.records[:upto]:
+            for t, a, b in spans:
+                if a == rec.index and t not in resumed:
+                    tfp.resume_tape(t)
+                    resumed.append(t)
+                    for v in self.pre_watch.get(t, ()):
+                        tfp.PlainGradientTape.watch(t, v)
+                if b == rec.index and t in resumed:
+                    tfp.pause_tape(t)
+                    resumed.remove(t)
+            if self.rewrite is not None:
+                new = self.rewrite(rec, self._shape_of)
+                if new is not rec:
+                    rec = self.rewritten[rec.index] = new
+            self.step(rec)  # (`at`: the failing record on an error)
 
     def _shape_of(self, ref):
         v = self.feed(ref.slot) if isinstance(ref, FeedRef) else \

@@ -13,6 +13,7 @@ from terra.config import CONFIG
 from terra.runtime.mode import Mode
 from terra.errors import TerraRuntimeError
 from terra.runtime.held import kept_unresolved
+from terra.runtime.path_view import host_tail
 from terra.runtime.divergence import GRAPH_ERROR, Divergence, DivergenceKind, user_line
 from terra.tracing import hook
 
@@ -37,8 +38,10 @@ class IterationEnd:
         is over): end the iteration here; that op and the next ones run eagerly, outside any
         iteration, until the next tape."""
         s = self.session
-        s.event("end", self.site, self.number, f"iteration ended by {d.observed} after the "
-                 f"last op of the path; following ops run eagerly", d.location)
+        where = "after the last op of the path" if d.position >= self.path.view.n else \
+            "where only host ops were left of the path (path_view.host_tail)"
+        s.event("end", self.site, self.number, f"iteration ended by {d.observed} {where}; "
+                 f"following ops run eagerly", d.location)
         with s.internal():
             self.finish()
         s.inflight.collect()  # the next ops run eagerly
@@ -60,7 +63,9 @@ class IterationEnd:
         if self.mode == Mode.SKIP:
             if self.runner.pos < self.path.view.n and not self.switch(
                     Divergence(user_line(), "", "", self.runner.pos, "iteration ended"), True):
-                if self._pure_tail():
+                if host_tail(self.path.view.records, self.runner.pos):
+                    self._finish_skip()  # (the graph runs none of the ops left)
+                elif self._pure_tail():
                     self._finish_pure_tail()
                 else:
                     self.fallback(Divergence(user_line(), f"{self.path.view.n} ops",

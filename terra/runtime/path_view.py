@@ -210,5 +210,14 @@ def _flat_refs(guard):
             yield from _flat_refs(g)
 
 
-__all__ = ["GradUnit", "PathView", "barrier_records", "eager_twins", "ends_in_a_step_try",
+def host_tail(records, pos: int) -> bool:
+    """Whether only host ops outside any tape are left of a path from record `pos` on (the next
+    batch's `IteratorGetNext`): the graph runs none of them, so an iteration that goes on
+    otherwise there (an epoch's end makes a new iterator instead) has had all of the path's
+    graph work and may end there, as past the path's end."""
+    return 0 < pos < len(records) and all(r.op_type in HOST_OPS and not r.taped
+                                          for r in records[pos:])
+
+
+__all__ = ["GradUnit", "PathView", "barrier_records", "eager_twins", "ends_in_a_step_try", "host_tail",
            "twin_units"]

@@ -31,7 +31,7 @@ from terra.runtime.op_inputs import (attr_types, may_take_variable, np_dtype_nam
                                      single_output, takes_variables, tape_word, variable_ref)
 from terra.runtime.divergence import (GRAPH_ERROR, PAST_END, Diverged, Divergence,
                                       DivergenceKind, user_line)
-from terra.runtime.path_view import PathView
+from terra.runtime.path_view import PathView, host_tail
 from terra.runtime.placeholders import Placeholder
 from terra.runtime.new_shapes import NewShapes
 from terra.runtime.unit_skip import UNSET, UnitSkipping  # noqa: F401 - UNSET: re-exported
@@ -155,7 +155,7 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
                         self.rollback(mark)
                         d = d2
             if d.divergence.kind is DivergenceKind.PAST_END and \
-                    not self.iteration.extended_elsewhere():
+                    not self.iteration.extended_elsewhere() or self._in_host_tail(d.divergence):
                 self.iteration.finish_past_end(d.divergence)
                 if route != "fast" and isinstance(inputs, list):
                     for i, v in enumerate(inputs):
@@ -175,6 +175,13 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
                     if isinstance(v, Placeholder):
                         inputs[i] = v._terra_materialize()
             return recorder.op(op_type, inputs, attrs, route, run)
+
+    def _in_host_tail(self, d: Divergence) -> bool:
+        """Whether `d` came where only host ops outside any tape are left of the path
+        (`path_view.host_tail`): the iteration ends there, as past the path's end, rather than
+        falling back to trace what the program does between steps instead."""
+        return d.kind is not DivergenceKind.GRAPH_ERROR and \
+            host_tail(self.view.records, d.position)
 
     def _run_twin(self, outs, inputs, route, run) -> None:
         """Run a matched op eagerly too (`PathView.twins`) and make its placeholders hold the

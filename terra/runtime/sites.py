@@ -10,7 +10,7 @@ import functools
 from typing import TYPE_CHECKING
 
 from terra import _tf_private as tfp
-from terra.ir.op_kinds import DATA_DEPENDENT_SHAPE_OPS, HOST_OPS, ITERATOR_OPS
+from terra.ir.op_kinds import DATA_DEPENDENT_SHAPE_OPS, HOST_OPS, makes_data_pipeline
 from terra.ir.records import FeedRef, OutputRef, TensorSpec, Trace, VariableRef, replace
 from terra.runtime.fallback import Snapshot, unsnapshotable
 from terra.runtime.python_runner import PythonRunner
@@ -485,20 +485,20 @@ def state_tail(trace, units) -> int | None:
     """The record where a trace that cannot be compiled only for what came after its step
     begins (the next epoch's iterator, made after the last batch's step), or None.
 
-    A tail qualifies when every problem of the trace is at or after that record and the tail
-    holds only a `tf.data` iterator's ops (`ITERATOR_OPS`), none recorded by a tape nor inside
-    a coarse unit: the program's own eager work between steps. (Not variables made there: an
+    A tail qualifies when the trace's first problem is a `tf.data` dataset or iterator being
+    made (`op_kinds.makes_data_pipeline`: an epoch's end) and from there on no op was recorded
+    by a tape or inside a coarse unit: the program's own eager work between steps (Keras'
+    validation pass, the next epoch's iterator). (Not variables made after the step: an
     optimizer's slots made by its first apply are the step's, and a model made anew is taken
     by role, roles.py.) Cut there (`cut_trace`), the trace is the step's path: skip mode ends
     the iteration where the tail begins and runs the tail eagerly, as it does for the same
     tail after a full batch's path. Without the cut, a smaller last batch fell back every
     epoch (its only trace held the iterator's creation)."""
     k = trace.first_unsupported
-    if not k or trace.unseeded_random:
+    if not k or trace.unseeded_random or not makes_data_pipeline(trace.records[k].op_type):
         return None
     records = trace.records
-    if any(r.taped or r.op_type not in ITERATOR_OPS for r in records[k:]) or \
-            any(u.end > k for u in units.values()):
+    if any(r.taped for r in records[k:]) or any(u.end > k for u in units.values()):
         return None
     used = {e.slot for r in records[:k] for e in r.input_refs() if isinstance(e, FeedRef)}
     if used != set(range(len(used))):  # (slots are numbered in first-use order)

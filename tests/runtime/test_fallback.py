@@ -432,3 +432,31 @@ def test_a_fallback_steps_tensors_are_freed_when_it_is_filed_not_at_a_full_colle
     finally:
         if was:
             gc.enable()
+
+
+def test_a_variable_made_inside_a_compiled_tape_keeps_the_gradient():
+    """`tf.Variable(...)` inside the tape of a compiled iteration: skip mode falls back at its
+    first op, which runs inside `ops.init_scope` (every tape of the thread stopped). The
+    replay of the ops before it must still be recorded by the tape, as eager recorded them:
+    else the tape's gradient of the loss is None (it was, before the replay resumed them)."""
+    def run(Tape):
+        w = tf.Variable(tf.ones((3,)))
+        x = tf.constant([0.1, 0.2, 0.3])
+        grads = []
+        for s in range(6):
+            with Tape() as tape:
+                loss = tf.reduce_sum(tf.square(x * w - 1.0))
+                if s == 4:
+                    loss = loss * tf.Variable(0.5)
+            g = tape.gradient(loss, w)
+            grads.append(g.numpy())
+            w.assign_sub(0.05 * g)
+        terra.end_iteration()
+        return grads, w.numpy()
+    eager = run(tf.GradientTape)
+    with CompileCounter() as c:
+        got = run(tf.TerraGradientTape)
+    for a, b in zip(got[0], eager[0]):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(got[1], eager[1])
+    c.assert_counts(traces=3, fallbacks=1, graph_builds=1)

@@ -124,9 +124,11 @@ def test_a_switch_skips_paths_that_read_a_variable_where_python_issued_a_variabl
     assert _counts() == (4, 3, 2, 3), explain
 
 
-def _epochs(Tape, epochs, steps=10):
+def _epochs(Tape, epochs, steps=10, state_at_end=False):
     """The next element is taken before the next step's tape, as Keras' `fit` does: at an
-    epoch's end Python makes a new iterator where the path takes the next element."""
+    epoch's end Python makes a new iterator where the path takes the next element.
+    `state_at_end`: the epoch's last step makes a variable inside its tape (a path that cannot
+    be compiled, met once per epoch)."""
     w = tf.Variable(tf.ones((3,)))
     data = tf.data.Dataset.from_tensor_slices(
         np.arange(3 * steps, dtype=np.float32).reshape(steps, 3) / 30).batch(1)
@@ -136,6 +138,8 @@ def _epochs(Tape, epochs, steps=10):
         for s in range(steps):
             with Tape() as tape:
                 loss = tf.reduce_sum(tf.square(x * w - 1.0))
+                if state_at_end and s + 1 == steps:
+                    loss = loss * tf.Variable(0.5)
             w.assign_sub(0.05 * tape.gradient(loss, w))
             if s + 1 < steps:
                 x = next(it)
@@ -143,15 +147,29 @@ def _epochs(Tape, epochs, steps=10):
     return w.numpy()
 
 
-def test_fallbacks_at_each_epochs_end_do_not_make_the_site_eager():
-    terra.config(max_fallbacks=3)
+def test_an_epochs_new_iterator_ends_the_iteration_without_a_fallback():
+    """Where the path takes the next element (a host op, after the step), the epoch's last
+    iteration makes a new iterator instead: the graph has done all its work, so the iteration
+    ends there (`path_view.host_tail`) and the iterator is made eagerly."""
     eager = _epochs(tf.GradientTape, 6)
     got = _epochs(tf.TerraGradientTape, 6)
     np.testing.assert_array_equal(got, eager)
     explain = terra.explain()
+    # (the sixth epoch's last iteration is ended by the program, not by a new iterator)
+    assert explain.count("where only host ops were left of the path") == 5, explain
+    assert _counts() == (2, 1, 0, 0), explain
+
+
+def test_fallbacks_at_each_epochs_end_do_not_make_the_site_eager():
+    terra.config(max_fallbacks=3)
+    eager = _epochs(tf.GradientTape, 6, state_at_end=True)
+    got = _epochs(tf.TerraGradientTape, 6, state_at_end=True)
+    np.testing.assert_array_equal(got, eager)
+    explain = terra.explain()
     assert "stays eager" not in explain and terra.stats()["phase"] == "idle"
-    # each epoch's end falls back once; the first files the path, the next four repeat it
-    # (not held against max_fallbacks=3); the last iteration ends before the next element
+    # each epoch's last step falls back once (it makes a variable); the first files its path,
+    # the next four repeat it (not held against max_fallbacks=3); the last one makes no new
+    # iterator after it: a path of its own
     assert explain.count("not held against max_fallbacks") == 4, explain
     assert _counts()[2] == 6, explain
 
