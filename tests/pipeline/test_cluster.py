@@ -22,6 +22,7 @@ needs_netns = pytest.mark.skipif(not _unshare_works(), reason="needs `unshare -r
 
 
 @needs_netns
+@pytest.mark.slow  # an interpreter and 4 workers, five schedules (~30 s): make test-slow
 def test_four_workers_1f1b_bpipe_zero_bubble_and_dualpipe_v_match_single_device():
     report = cluster.run_isolated(["demo", "--workers", "4", "--microbatches", "8", "--schedules",
                                    "1f1b,1f1b+bpipe,zb-h1,zb-v,dualpipe-v"], timeout=300)
