@@ -278,6 +278,9 @@ class Path:
 # A site whose compiled iterations started on a wrong path at least HOLD_MISSES times in the latest
 # HOLD_WINDOW holds each run until its path is certain (`Site.holds_runs`).
 HOLD_WINDOW = 8
+# the longest run of latest paths whose successors predict the next one (Site.likely_next)
+PREDICT_ORDER = 6
+PREDICT_MARGIN = 2   # how many more right predictions a longer run needs to take over
 HOLD_MISSES = 4
 
 
@@ -294,7 +297,12 @@ class Site:
     eager_reason: str | None = None
     last_path: Path | None = None
     prev_path: Path | None = None         # the path the previous iteration ended on
-    successors: dict = field(default_factory=dict)  # path id -> {next path id: count}
+    # the ids of the paths the latest iterations ended on (oldest first), and for each run of
+    # up to PREDICT_ORDER consecutive ones seen: {id of the path that came next: count}
+    history: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=PREDICT_ORDER))
+    successors: dict = field(default_factory=dict)
+    order_hits: dict = field(default_factory=dict)   # run length -> next paths it predicted
     path_ids: int = 0                     # ids handed out (paths over old objects may be dropped)
 
     def new_path_id(self) -> int:
@@ -302,18 +310,39 @@ class Site:
         return self.path_ids - 1
 
     def note_path(self, path) -> None:
-        """The iteration that just ended ran `path`: count it as the previous one's successor."""
-        if self.prev_path is not None:
-            nxt = self.successors.setdefault(self.prev_path.id, {})
+        """The iteration that just ended ran `path`: score each run length's prediction of it
+        (`order_hits`), and count it as the successor of each run of latest paths (the previous
+        one, the previous two, ...)."""
+        hist = tuple(self.history)
+        for k in range(1, len(hist) + 1):
+            nxt = self.successors.get(hist[-k:])
+            if nxt and max(nxt, key=nxt.get) == path.id:
+                self.order_hits[k] = self.order_hits.get(k, 0) + 1
+            nxt = self.successors.setdefault(hist[-k:], {})
             nxt[path.id] = nxt.get(path.id, 0) + 1
+        self.history.append(path.id)
         self.prev_path = path
 
     def likely_next(self) -> list:
-        """Path ids in the order the previous path's successors were seen most often."""
-        if self.prev_path is None:
-            return []
-        nxt = self.successors.get(self.prev_path.id, {})
-        return sorted(nxt, key=lambda i: -nxt[i])
+        """Path ids, most likely next first: the successors of the run of latest paths whose
+        length has predicted best so far, then those of shorter runs. The previous path alone
+        is the default; a longer run takes over only once it has predicted more than
+        PREDICT_MARGIN iterations more: a program whose paths repeat in a period (a GAN's
+        critic steps, then one that goes on to the generator's: p1 p1 p3 p1 p1 p3), where the
+        previous path alone always says p1. A random branch gives longer runs no such lead."""
+        hist = tuple(self.history)
+        best = 1
+        for k in range(2, len(hist) + 1):
+            if self.order_hits.get(k, 0) > self.order_hits.get(best, 0) + PREDICT_MARGIN:
+                best = k
+        out, seen = [], set()
+        for k in range(min(best, len(hist)), 0, -1):
+            nxt = self.successors.get(hist[-k:])
+            for i in sorted(nxt or (), key=lambda i: -nxt[i]):
+                if i not in seen:
+                    seen.add(i)
+                    out.append(i)
+        return out
 
     def predict(self) -> Path | None:
         """The compiled path the next iteration most likely takes: the previous path's most

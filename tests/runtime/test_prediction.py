@@ -1,5 +1,6 @@
-"""Which compiled path an iteration starts on, and what a divergence costs: the previous path's
-most frequent successor is predicted; a switch goes straight to a path that takes the op Python
+"""Which compiled path an iteration starts on, and what a divergence costs: the most frequent
+successor of the latest paths is predicted (a period of paths is learned, a random branch is
+not over-fitted); a switch goes straight to a path that takes the op Python
 issued; a value Python read once is fetched by the path's next build; fallbacks at an epoch's
 end do not make a site eager. Every case equals eager, with exact counts."""
 import os
@@ -54,7 +55,9 @@ def test_a_value_read_every_fifth_step_stops_falling_back():
     # p0 built at iteration 2. Iteration 5 reads `h`, which p0 does not fetch: a fallback, p1
     # (p0 and a Max) is filed and built, and p0, which learned to fetch `h`, is rebuilt. From
     # then on a read step fetches `h` from p0's graph and switches to p1 at the Max (five
-    # switches); iteration 6 started on p1 and switched to p0 where it ended: no more fallbacks
+    # switches); iteration 6 started on p1 and switched to p0 where it ended: no more fallbacks.
+    # (The four p0s before each p1 predict it from iteration 15 on, but not by a lead of more
+    # than PREDICT_MARGIN before the end: the previous path alone goes on predicting p0)
     assert _counts() == (3, 3, 1, 6), terra.explain()
 
 
@@ -239,3 +242,52 @@ def test_a_site_whose_predictions_come_right_starts_its_runs_with_the_iteration_
     c.assert_counts(iterations=30, traces=4, graph_builds=3, fallbacks=2, path_switches=4,
                     held_iterations=7, held_switches=2)
     assert "iteration 15: predictions hold again" in explain, explain
+
+
+def _critic_steps(Tape, steps=10, d_steps=3):
+    """A GAN's step in small (keras-io's WGAN-GP): `d_steps` critic updates, each its own tape,
+    then the generator's input and update. Once both optimizers have their state, the critic
+    site's iterations run p1 p1 p3 p1 p1 p3: p3 is the critic step that goes on into the
+    generator's."""
+    import keras
+    d, g = tf.Variable(tf.fill((3, 3), 0.2)), tf.Variable(tf.fill((3, 3), 0.1))
+    x = tf.constant(np.arange(9, dtype=np.float32).reshape(3, 3) / 9)
+    d_opt, g_opt = keras.optimizers.SGD(0.05, momentum=0.5), keras.optimizers.SGD(0.05)
+
+    def train_step():
+        for _ in range(d_steps):
+            with Tape() as tape:
+                loss = tf.reduce_sum(tf.tanh(x @ d))
+            d_opt.apply_gradients([(tape.gradient(loss, d), d)])
+        z = tf.sin(x) + 1.0
+        with Tape() as tape:
+            gen = tf.reduce_sum(tf.sin(z @ g) @ d)
+        g_opt.apply_gradients([(tape.gradient(gen, g), g)])
+    for _ in range(steps):
+        train_step()
+    terra.end_iteration()
+    return d.numpy(), g.numpy()
+
+
+@pytest.mark.parametrize("order", [1, None])
+def test_a_period_of_paths_is_predicted(order, monkeypatch):
+    """The previous path alone predicts p1 after p1 at every third critic step, which then
+    switches to p3 where the generator's ops come (a restart of the run: the critic's work is
+    done twice); the run of the latest two paths tells the places in the period apart, and
+    takes over once it has predicted more than PREDICT_MARGIN iterations more."""
+    from terra.runtime import sites
+    if order is not None:
+        monkeypatch.setattr(sites, "PREDICT_ORDER", order)
+    eager = _critic_steps(tf.GradientTape)
+    got = _critic_steps(tf.TerraGradientTape)
+    for a, b in zip(got, eager):
+        np.testing.assert_array_equal(a, b)
+    explain = terra.explain()
+    traces, builds, fallbacks, switches = _counts()
+    # p0 makes the critic's optimizer state, p2 the generator's; p1 built at iteration 4, p3 at
+    # its first trace (6), after a fallback at p1's end. Iteration 7 starts on p3 (p1's only
+    # successor so far) and switches to p1; then one switch per generator step (9, 12, ..., 30)
+    # with the previous path alone; with the latest paths, longer runs have taken the lead
+    # after iteration 15's switch: no switch after it
+    assert (traces, builds, fallbacks) == (5, 2, 1), explain
+    assert switches == (9 if order == 1 else 4), explain
