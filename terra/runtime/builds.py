@@ -264,6 +264,17 @@ class Builds:
             gp.twin_misses = {r for m in g.members for r in m.twin_misses}
             gp.view = PathView(gp.trace, gp.units, site.key, site.caller_step_try,
                                gp.wanted())
+            # a value the graph leaves to an eager twin must be one every member's skip mode
+            # runs as a twin (each member's view wants its own values): else that member's
+            # read of it would find neither a twin's value nor a fetch
+            for m in g.members:
+                for r, after in m.fetch_points.items():
+                    if r.record in gp.view.twins and any(
+                            q.view is not None and r.record not in q.view.twins
+                            for q in g.members):
+                        gp.twin_misses.add(r)
+                        gp.outside_reads.add(r)
+                        fetch_points[r] = min(after, fetch_points.get(r, after))
             # constants the graph computes from the shapes it holds are put by no member (a
             # speculative group's one member puts all of its own: speculate)
             if not g.speculative:

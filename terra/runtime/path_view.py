@@ -93,19 +93,22 @@ def ends_in_a_step_try(trace: Trace, root) -> bool:
 
 def eager_twins(trace: Trace, wanted) -> frozenset:
     """Records skip mode also runs eagerly, binding their placeholders to the results: ops no
-    tape records (the program's data preparation before its next `with tape`), stateless, whose
-    inputs are all feeds, constants or other such records' outputs, and from which a value the
-    program holds after the iteration or reads (`wanted`) comes. Such a value is otherwise a
-    fetch Python waits for at its next use, usually at the next step's first layer: it comes
-    from the end of the previous run, so the next step's skeleton could not start before that
-    run ended (gpt2 slices `tokens[:, :-1]` before its tape). Eager computes the same ops
-    again on the same values: the result is eager's own."""
+    tape records (the program's data preparation before its next `with tape`, or arithmetic on
+    integer scalars inside it: a tape never records an op on integers), stateless, whose inputs are
+    all feeds, constants or other such records' outputs, and from which a value the program
+    holds after the iteration or reads (`wanted`) comes. Such a value is otherwise a fetch
+    Python waits for at its next use, usually at the next step's first layer: it comes from
+    the end of the previous run, so the next step's skeleton could not start before that run
+    ended (gpt2 slices `tokens[:, :-1]` before its tape; keras-io's WGAN-GP stacks the batch
+    size into the shape of a random draw inside its tape, whose size Python reads). Eager computes
+    the same ops again on the same values: the result is eager's own."""
     wanted_records = {r.record for r in wanted if isinstance(r, OutputRef)}
     if not wanted_records:
         return frozenset()
     eligible = set()
     for rec in trace.records:
-        if rec.taped or rec.route == "function" or rec.op_type in HOST_OPS or not rec.outputs:
+        if rec.taped and not _integers_only(trace, rec) or rec.route == "function" or \
+                rec.op_type in HOST_OPS or not rec.outputs:
             continue
         op_def = tfp.get_op_def(rec.op_type)
         if op_def is None or op_def.is_stateful:
@@ -123,6 +126,36 @@ def eager_twins(trace: Trace, wanted) -> frozenset:
         stack.extend(r.record for r in trace.records[i].input_refs()
                      if isinstance(r, OutputRef) and r.record in eligible)
     return frozenset(keep)
+
+
+_UNTRAINABLE = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                          "uint64", "bool"})
+
+
+def _integers_only(trace: Trace, rec) -> bool:
+    """Whether `rec` is arithmetic on integer scalars (a batch size stacked into a shape): every
+    output of a dtype no tape records (TF's tape watches floating and complex values only), so
+    that run eagerly under a recording tape it is recorded by none, and every input a scalar of
+    such a dtype, so that its outputs' shapes are the op's own, never the data's (a ragged
+    batch's row lengths would give a twin of one shape group member's shape, unfit for another
+    member's placeholder after a switch)."""
+    def spec(r):
+        if isinstance(r, FeedRef):
+            return trace.feeds[r.slot].spec
+        if isinstance(r, OutputRef):
+            return trace.records[r.record].outputs[r.index]
+        return None
+    if not all(o.dtype in _UNTRAINABLE for o in rec.outputs):
+        return False
+    for r in rec.input_refs():
+        if isinstance(r, ConstRef):
+            if r.dtype not in _UNTRAINABLE:
+                return False
+            continue
+        s = spec(r)
+        if s is None or s.dtype not in _UNTRAINABLE or s.shape != ():
+            return False
+    return True
 
 
 def twin_units(trace: Trace, units: dict, twins) -> dict:

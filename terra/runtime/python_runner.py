@@ -188,8 +188,7 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
         results, when its inputs are values Python has (not the graph's: those would be a
         fetch). Placeholders among them (earlier twins' results) are resolved in place on the
         slow route only (`_skip` sends such an op there)."""
-        if _placeholders(inputs, pending_only=True) or \
-                route == "fast" and _placeholders(inputs):
+        if self._pending_here(inputs) or route == "fast" and _placeholders(inputs):
             return
         real = run()
         phs = outs if isinstance(outs, (list, tuple)) else [outs]
@@ -225,8 +224,9 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
             self._raised = op_type
             raise tfp.FallbackException()
         if route == "fast" and p in view.twins and view.records[p].op_type == op_type and \
-                _placeholders(inputs) and not _placeholders(inputs, pending_only=True):
-            # an eager twin on earlier twins' results: only the slow route's input list has
+                _placeholders(inputs) and not self._pending_here(inputs):
+            # an eager twin on earlier twins' results, or on an earlier iteration's values
+            # (matching reads them: external values now): only the slow route's input list has
             # its placeholders resolved in place when the op runs
             self._raised = op_type
             raise tfp.FallbackException()
@@ -282,6 +282,16 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
                 return None
             return outs[0] if single_output(op_type) else outs
         return outs
+
+    def _pending_here(self, x) -> bool:
+        """Whether `x` (an op's input, lists nested) holds a placeholder of this iteration
+        without a value yet (one of an earlier iteration is an external value: matching reads
+        it)."""
+        if isinstance(x, Placeholder):
+            return not x.is_materialized and placeholder_ref(x, self) is not None
+        if isinstance(x, (list, tuple)):
+            return any(self._pending_here(v) for v in x)
+        return False
 
     def _fallback_ahead(self, op_type) -> bool:
         view, p = self.view, self.pos

@@ -70,6 +70,38 @@ def test_twins_off_the_tape_only():
     c.assert_counts(traces=2, graph_builds=1, fallbacks=0, eager_twins=0)
 
 
+def _scalar_sizes(Tape, steps=8):
+    """keras-io's WGAN-GP shape: inside the tape, a batch size computed before it is stacked
+    into a shape Python reads (a random draw's), and a vector of the data is cast."""
+    tf.random.set_seed(6)
+    w = tf.Variable(np.full((4, 2), 0.5, np.float32))
+    x = tf.constant(np.arange(12, dtype=np.float32).reshape(3, 4) / 12)
+    n = tf.shape(x)[0]  # a tensor from outside the iterations: a feed of each
+    labels = tf.constant([0, 1, 1])
+    losses = []
+    for _ in range(steps):
+        with Tape() as tape:
+            shape = tf.stack([n, 4])             # integer scalars: a twin
+            total = tf.reduce_sum(labels)        # an integer vector: the graph's
+            z = tf.random.normal(shape)          # (the draw reads `shape`)
+            loss = tf.reduce_sum(tf.sin((x + z) @ w)) * tf.cast(total, tf.float32)
+        w.assign_sub(0.01 * tape.gradient(loss, w))
+        losses.append(float(loss) + int(total))  # (a read of the vector's sum: a fetch)
+    return losses, w
+
+
+def test_integer_scalars_inside_the_tape_are_twins():
+    """No tape records an op on integers: stacking scalar sizes inside the tape runs eagerly
+    too, so the draw's read of the shape needs no fetch; an integer op on a vector is left to
+    the graph (its shape is the data's: a shape group member's twin might not fit another's)."""
+    eager = _scalar_sizes(tf.GradientTape)
+    with CompileCounter() as c:
+        got = _scalar_sizes(tf.TerraGradientTape)
+    assert got[0] == eager[0] and np.array_equal(got[1].numpy(), eager[1].numpy())
+    # traced at 1 and 2, compiled from 3 on: the stacked shape is a twin in iterations 3-8
+    c.assert_counts(traces=2, graph_builds=1, fallbacks=0, eager_twins=6)
+
+
 def _host_op_program(Tape, steps=12, read=False):
     """wgan_gp's shape: the next step's noise is drawn (a host op: it runs as the program says)
     with a batch size computed once, before the tape, so packing the shape is an eager twin;
