@@ -8,6 +8,8 @@
 """
 __version__ = "0.1.0"
 
+import os as _os
+
 import tensorflow as _tf
 
 from terra.config import CONFIG as _CONFIG
@@ -16,8 +18,11 @@ from terra.config import configure as _configure
 from terra.runtime.session import SESSION as _SESSION
 from terra.tape import GradientTape, TerraGradientTape
 from terra.tracing import hook as _hook
+from terra.tracing import random_streams as _random_streams
 
 _tf.TerraGradientTape = GradientTape
+if _os.environ.get("TERRA_STATELESS_RANDOM", "1") != "0":
+    _random_streams.install()   # (for the process: see terra/tracing/random_streams.py)
 
 
 def config(**changes) -> dict:

@@ -1048,3 +1048,38 @@ def without_op_tracebacks():
         yield
     finally:
         _op_tracebacks.off = outer
+
+
+# ---- stateful random ops drawn as stateless ones (terra/tracing/random_streams.py) -------------
+# `tf.random.normal` / `uniform` / `truncated_normal` (and `tf.nn.dropout`, through `uniform`) call
+# these `gen_random_ops` wrappers by module attribute; eager runs each as a stateful kernel keyed
+# by its attrs: TF's Philox generator with key `seed` and counter `seed2 << 64`, advanced by 256
+# per output drawn (`GuardedPhiloxRandom::ReserveRandomOutputs(n, 256)`). `StatelessRandom*V2`
+# with that key and counter (`alg` 1: Philox) draws the same numbers through the same functor.
+# tests/test_tf_private.py::test_stateless_v2_draws_what_the_stateful_kernel_draws checks it.
+from tensorflow.python.ops import gen_random_ops as gen_random_ops_module  # noqa: E402
+from tensorflow.python.ops import gen_stateless_random_ops_v2 as _gen_stateless_v2  # noqa: E402
+
+STATEFUL_RANDOM = {   # gen_random_ops wrapper -> (op type, its stateless twin)
+    "random_standard_normal": ("RandomStandardNormal", _gen_stateless_v2.stateless_random_normal_v2),
+    "random_uniform": ("RandomUniform", _gen_stateless_v2.stateless_random_uniform_v2),
+    "truncated_normal": ("TruncatedNormal", _gen_stateless_v2.stateless_truncated_normal_v2),
+    # (shape, minval, maxval): integers in [minval, maxval), of their dtype
+    "random_uniform_int": ("RandomUniformInt", _gen_stateless_v2.stateless_random_uniform_int_v2),
+}
+PHILOX_ALG = 1            # `alg` of the V2 ops: Philox, the stateful kernels' generator
+PHILOX_SKIP_PER_OUTPUT = 256
+
+# `Context._set_global_seed` (`tf.random.set_seed`) clears eager's kernel cache, and so does
+# `Context.clear_kernel_cache`: every stateful random kernel starts anew after either.
+ContextClass = _context.Context
+KERNEL_CACHE_RESETS = ("_set_global_seed", "clear_kernel_cache")
+
+
+def executing_eagerly() -> bool:
+    return _context.executing_eagerly()
+
+
+def eager_device_name() -> str:
+    """The device scope eager ops run in (part of a kernel's cache key)."""
+    return _context.context().device_name or ""

@@ -4,6 +4,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import numpy as np
 import tensorflow as tf
 
 from terra import _tf_private as tfp
@@ -159,3 +160,42 @@ def test_graph_ops_can_be_made_without_their_python_traceback():
         e = tf.constant(5.0)
     assert a.op.traceback and e.op.traceback
     assert b.op.traceback is None and c.op.traceback is None and d.op.traceback is None
+
+
+def test_stateless_v2_draws_what_the_stateful_kernel_draws():
+    """terra/tracing/random_streams.py: a stateful random kernel with attrs (seed, seed2) draws
+    what `StatelessRandom*V2` draws with key `seed` and counter `seed2 << 64` plus 256 per output
+    it drew before (eager caches the kernel per attrs: an op seed given again continues it)."""
+    from terra.tracing import random_streams
+    mask = (1 << 64) - 1
+    for name, (op_type, stateless) in tfp.STATEFUL_RANDOM.items():
+        stateful = getattr(tfp.gen_random_ops_module, name)
+        stateful = getattr(stateful, "__wrapped__", stateful)  # TF's own wrapper
+        assert stateful.__module__ == tfp.gen_random_ops_module.__name__
+        integer = op_type == "RandomUniformInt"
+        for dtype in ((tf.int32, tf.int64) if integer else
+                      (tf.float32, tf.float64, tf.float16, tf.bfloat16)):
+            tf.random.set_seed(5)
+            seed, seed2, drawn = 123, 2**31 - 9, 0
+            for shape in [(4, 3), (7,), (1,), (300,)]:
+                total = (seed2 << 64) + tfp.PHILOX_SKIP_PER_OUTPUT * drawn
+                counter = [total & mask, total >> 64]
+                if integer:
+                    lo, hi = tf.constant(-3, dtype), tf.constant(1000, dtype)
+                    a = stateful(shape, lo, hi, seed=seed, seed2=seed2)
+                    b = stateless(shape, key=[seed], counter=counter, alg=tfp.PHILOX_ALG,
+                                  minval=lo, maxval=hi)
+                else:
+                    a = stateful(shape, dtype=dtype, seed=seed, seed2=seed2)
+                    b = stateless(shape, key=[seed], counter=counter, alg=tfp.PHILOX_ALG,
+                                  dtype=dtype)
+                np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=f"{op_type} {dtype}")
+                drawn += int(np.prod(shape))
+    # tf.random.* look the wrappers up through the module at call time (so the patch reaches them)
+    from tensorflow.python.ops import random_ops
+    assert "gen_random_ops.random_standard_normal(" in inspect.getsource(random_ops.random_normal)
+    assert "gen_random_ops.random_uniform(" in inspect.getsource(random_ops.random_uniform)
+    assert "gen_random_ops.truncated_normal(" in inspect.getsource(random_ops.truncated_normal)
+    assert "gen_random_ops.random_uniform_int(" in inspect.getsource(random_ops.random_uniform)
+    assert random_streams.installed()  # (importing terra installs it)
+    assert set(tfp.KERNEL_CACHE_RESETS) <= set(vars(tfp.ContextClass))

@@ -1,6 +1,8 @@
-"""Host ops (terra/ir/op_kinds.py): tf.data's next element and stateful random draws run on the
-program's thread, as in eager, and their outputs enter the graph as feeds. Loops over a dataset
-and programs drawing with tf.random.* compile and give eager's numbers bit for bit."""
+"""Host ops (terra/ir/op_kinds.py): tf.data's next element runs on the program's thread, as in
+eager, and its outputs enter the graph as feeds. Stateful random draws with a global seed are
+issued as the stateless ops that draw the same numbers (terra/tracing/random_streams.py), which
+the graph computes from a fed counter. Loops over a dataset and programs drawing with
+tf.random.* compile and give eager's numbers bit for bit."""
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -11,6 +13,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import terra  # noqa: E402
+from terra.tracing import random_streams  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("fresh_terra")
@@ -74,12 +77,15 @@ def test_a_smaller_last_batch_is_another_path_and_equals_eager():
     assert terra.stats()["graph_builds"] == 2, terra.explain()
 
 
-def test_unseeded_random_ops_run_on_the_program_thread_and_draw_eagers_numbers():
+def test_unseeded_random_ops_are_drawn_by_the_graph_as_eager_draws_them():
     """tf.random.normal and tf.nn.dropout without a Generator, with a global seed: eager's draws
-    depend on per-call seeds that TF derives in Python; the op runs in Python, so they are the
-    same draws, and the site compiles."""
+    depend on per-call seeds that TF derives in Python; each call is issued as the stateless op
+    with its kernel's key and counter, which the graph computes: the same draws, and the site
+    compiles."""
     eager = _dataset_loop(tf.GradientTape, noise=True)
+    stateful = random_streams.draws()["stateful"]
     got = _dataset_loop(tf.TerraGradientTape, noise=True)
+    assert random_streams.draws()["stateful"] == stateful  # (no stateful kernel ran)
     terra.end_iteration()
     _assert_equal(got, eager)
     s, explain = terra.stats(), terra.explain()
@@ -117,7 +123,43 @@ def test_noise_drawn_before_and_inside_the_tape_equals_eager():
     # the last iteration's path expects the next step's draw, and the program reads the weights
     # instead: the loop's end is one fallback (and a graph for that last path)
     assert (s["graph_builds"], s["fallbacks"]) == (2, 1), terra.explain()
-    assert "expected RandomStandardNormal, observed ReadVariableOp" in terra.explain()
+    assert "expected StatelessRandomNormalV2, observed ReadVariableOp" in terra.explain()
+
+
+def _noise_of_the_batchs_size(Tape, steps=8):
+    """keras-io's WGAN-GP shape: noise of the batch's size, the size a value the graph computes
+    (`tf.shape(x)[0]`, taken before the tape)."""
+    tf.random.set_seed(5)
+    w = tf.Variable(tf.fill((3, 2), 0.5))
+    x = tf.constant(np.arange(12, dtype=np.float32).reshape(4, 3) / 12)
+    out = []
+    for _ in range(steps):
+        n = tf.shape(x)[0]
+        with Tape() as tape:
+            z = tf.random.normal((n, 3))
+            alpha = tf.random.uniform([n, 1])
+            loss = tf.reduce_sum(tf.sin((x + alpha * z) @ w))
+        w.assign_sub(0.05 * tape.gradient(loss, w))
+        out.append(float(loss))
+    return out, [w.numpy()]
+
+
+def test_a_draw_of_a_computed_size_has_a_shape_the_graph_knows():
+    """The draw's shape reaches the stateless op as the constant it is this step: the graph
+    knows the draw's shape, as it knew a fed draw's, so the gradient's unit has no shape of
+    unknown size to check (each check would wait for the graph)."""
+    from terra.runtime.session import SESSION
+    eager = _noise_of_the_batchs_size(tf.GradientTape)
+    got = _noise_of_the_batchs_size(tf.TerraGradientTape)
+    terra.end_iteration()
+    _assert_equal(got, eager)
+    s = terra.stats()
+    # (the last iteration's path expects the next step's `tf.shape`; the program reads the
+    # weights instead: a fallback, and a path of its own)
+    assert (s["traces"], s["graph_builds"], s["fallbacks"]) == (3, 2, 1), terra.explain()
+    graphs = [p.graph for site in SESSION.sites.values() for p in site.paths.values()
+              if p.graph is not None]
+    assert graphs and all(not g.unknown_shapes for g in graphs)
 
 
 def test_a_print_of_a_drawn_value_happens_once_per_step(tmp_path):
