@@ -21,6 +21,7 @@ The counts are exact only for calls made since eager's kernel cache was last cle
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import tensorflow as tf
@@ -33,6 +34,7 @@ _MASK64 = (1 << 64) - 1
 _DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 _drawn: dict = {}      # kernel cache key -> outputs its kernel has drawn
+_lock = threading.Lock()
 _complete = False      # whether every call since eager's last cache clear was counted here
 _originals: dict = {}  # (owner, attr) -> original
 _calls = {"stateless": 0, "stateful": 0}
@@ -136,8 +138,12 @@ def _counts(seed, seed2) -> bool:
 
 def _draw(key, seed, seed2, n, issue):
     """`issue(counter)`: the stateless op, with the counter of the kernel cached for `key` after
-    the outputs it has drawn; counts the `n` it draws now."""
-    before = _drawn.get(key, 0)
+    the outputs it has drawn; the `n` it draws now are reserved first, under a lock, as TF's
+    kernel reserves them under its mutex (two threads drawing with one op seed never get the
+    same numbers)."""
+    with _lock:
+        before = _drawn.get(key, 0)
+        _drawn[key] = before + n
     total = ((seed2 & _MASK64) << 64) + tfp.PHILOX_SKIP_PER_OUTPUT * before
     counter = tfp.eager_tensor_of_array(
         np.array([total & _MASK64, (total >> 64) & _MASK64], np.uint64), tf.uint64)
@@ -146,7 +152,6 @@ def _draw(key, seed, seed2, n, issue):
     except Exception:
         _stop_counting()  # (an argument TF refuses: whether eager's kernel got built and
         raise             # drew is TF's business; from here on, its own kernels again)
-    _drawn[key] = before + n
     _calls["stateless"] += 1
     return out
 

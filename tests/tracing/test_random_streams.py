@@ -89,3 +89,22 @@ def test_graphs_keep_the_stateful_op(reinstalled):
         return tf.random.normal((2,))
     ops = {op.type for op in draw.get_concrete_function().graph.get_operations()}
     assert "RandomStandardNormal" in ops and "StatelessRandomNormalV2" not in ops
+
+
+def test_two_threads_drawing_with_one_op_seed_split_its_stream(reinstalled):
+    """TF's kernel reserves each call's outputs under its mutex: threads drawing from one
+    kernel get its stream's blocks in some order, never one block twice."""
+    import threading
+
+    def blocks(n):
+        return [tuple(tf.random.normal((5,), seed=11).numpy().tolist()) for _ in range(n)]
+    tf.random.set_seed(1)
+    reference = blocks(40)
+    tf.random.set_seed(1)
+    got = []
+    threads = [threading.Thread(target=lambda: got.extend(blocks(20))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(reference)) == 40 and sorted(got) == sorted(reference)
