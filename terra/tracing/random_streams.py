@@ -1,16 +1,17 @@
 """Eager's stateful random ops drawn as stateless ones: the same numbers, no kernel per call.
 
 With a global seed set, eager runs each `tf.random.normal` (`uniform`, integer or not,
-`truncated_normal`, `tf.nn.dropout`'s mask) as a stateful kernel keyed by its attrs, and each call draws a new op
-seed: a kernel built, cached and run per call (0.4 ms, several ms beside a running graph). Under
-Terra it was a host op the program's thread ran at every step. The kernel is TF's Philox
-generator with key `seed` and counter `seed2 << 64`, advanced by 256 per output drawn, and
-`StatelessRandom*V2` with that key and counter draws exactly its numbers
+`truncated_normal`, `tf.nn.dropout`'s mask) as a stateful kernel keyed by its attrs, and each
+call draws a new op seed: a kernel built, cached and run per call (0.4 ms, 1-2 ms beside a
+running graph). Under Terra it was a host op the program's thread ran at every step. The kernel
+is TF's Philox generator with key `seed` and counter `seed2 << 64`, advanced by 256 per output
+drawn, and `StatelessRandom*V2` with that key and counter draws exactly its numbers
 (`_tf_private.STATEFUL_RANDOM`). So each such call is issued as the stateless op with the
 counter eager's kernel would be at: a new kernel's, or the one eager caches for the same attrs
-(an explicit op seed, drawn again) after the outputs it has drawn. The counter reaches the op as
-an eager tensor made outside any recorder's view: a trace takes it as a feed, and the graph
-draws the numbers itself.
+(an explicit op seed, drawn again) after the outputs it has drawn, reserved under a lock as the
+kernel reserves them under its mutex. The counter reaches the op as an eager tensor made outside
+any recorder's view, and the shape as the constant it is this call: a trace takes the counter
+as a feed, and the graph draws the numbers itself, knowing their shape.
 
 The counts are exact only for calls made since eager's kernel cache was last cleared
 (`tf.random.set_seed` clears it) with this module installed: until it sees a clear, and for
@@ -28,7 +29,7 @@ import tensorflow as tf
 
 from terra import _tf_private as tfp
 
-__all__ = ["install", "installed", "draws", "reset"]
+__all__ = ["install", "installed", "uninstall", "draws", "reset"]
 
 _MASK64 = (1 << 64) - 1
 _DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
