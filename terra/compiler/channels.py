@@ -26,7 +26,7 @@ from terra import _tf_private as tfp
 from terra.errors import ChannelClosedError, TerraRuntimeError, TerraTimeoutError
 
 __all__ = ["FeedChannel", "FetchChannel", "FeedFetchOrder", "case_select_channel",
-           "loop_cond_channel", "DEFAULT_TIMEOUT", "wait_until", "drop_elements"]
+           "loop_cond_channel", "DEFAULT_TIMEOUT", "wait_until", "Unread"]
 
 # Python's side of a channel runs TF's raw queue ops (public, no per-call name scope)
 _QueueEnqueue = tf.raw_ops.QueueEnqueueV2
@@ -128,6 +128,10 @@ class _Channel:
             raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
         self.capacity = capacity
         known = all(s.is_fully_defined() for s in self.shapes)
+        # bytes of one element (None: a shape not fixed, or a string)
+        self.element_bytes = sum(s.num_elements() * d.size for d, s in
+                                 zip(self.dtypes, self.shapes)) \
+            if known and all(d != tf.string for d in self.dtypes) else None
         self.queue = tf.queue.FIFOQueue(
             capacity if capacity is not None else 2**31 - 1, list(self.dtypes),
             shapes=list(self.shapes) if known else None, name=self.name.replace("/", "_"))
@@ -295,32 +299,89 @@ class FetchChannel(_Channel):
         self.gets = 0
 
 
-def drop_elements(counts: dict, channels: dict, cache: dict) -> None:
-    """Dequeue `counts[key]` elements of `channels[key]` for every key, in one graph call, and
-    clear `counts`. The elements must be there already (a finished run's unread fetches): the
-    call raises TerraRuntimeError rather than block if one is missing. One function per pattern
-    of counts, kept in `cache` (steady state repeats one pattern; dozens of eager dequeues per
-    step cost milliseconds)."""
-    pattern = tuple(sorted(((k, n) for k, n in counts.items() if n > 0), key=repr))
-    counts.clear()
-    if not pattern:
-        return
-    fn = cache.get(pattern)
-    if fn is None:
-        queues = [(channels[k].queue, n) for k, n in pattern]
+# Elements finished runs left unread are taken every DROP_EVERY collected runs, or as soon as they
+# hold DROP_BYTES (or an element of unknown size): each take is a graph call on the program's
+# thread, 0.5-3 ms beside a running graph, and wgan_gp made three per step.
+DROP_EVERY = 8
+DROP_BYTES = 32 << 20
 
-        def drop():
-            checks = [tf.debugging.assert_greater_equal(q.size(), n) for q, n in queues]
-            with tf.control_dependencies(checks):
-                for q, n in queues:
-                    for _ in range(n):
-                        q.dequeue()
-        fn = cache[pattern] = tf.function(drop, autograph=False).get_concrete_function()
-    try:
-        fn()
-    except tf.errors.InvalidArgumentError:
-        raise TerraRuntimeError("terra: fewer elements queued than counted as left unread "
-                                f"({', '.join(f'{k}: {n}' for k, n in pattern)})") from None
+
+class Unread(dict):
+    """Fetch channel key -> elements finished runs left unread in it, oldest at the queue's head.
+    The next reader of a channel skips its count first (and lowers it); the rest are taken in
+    batches by `collected` (see DROP_EVERY) and by `drop`. A channel no later iteration reads
+    (a value the program keeps but never reads) would otherwise grow by one element per run."""
+
+    def __init__(self, channels: dict):
+        super().__init__()
+        self.channels = channels
+        # key -> bytes of the latest value seen of a channel whose shape is not fixed (its
+        # element's size is counted as that; an element of a size not seen is taken at once)
+        self.seen_bytes = {}
+        self.runs = 0          # runs collected since the last take
+        self.droppers = {}    # sorted keys -> function taking a count per key
+
+    def collected(self) -> None:
+        """A run that counted here has ended: take the elements if they are due."""
+        self.runs += 1
+        if self.runs >= DROP_EVERY or self._bytes() >= DROP_BYTES:
+            self.drop()
+
+    def _bytes(self) -> float:
+        total = 0
+        for k, n in self.items():
+            size = self.channels[k].element_bytes
+            if size is None:
+                size = self.seen_bytes.get(k)
+            if n and size is None:
+                return float("inf")
+            total += n * (size or 0)
+        return total
+
+    def clear(self) -> None:
+        super().clear()
+        self.runs = 0
+
+    def drop(self) -> None:
+        """Dequeue every counted element now, in one graph call, and clear the counts. The
+        elements must be there already (their runs have ended): the call raises
+        TerraRuntimeError rather than block if one is missing. One function per set of
+        channels, its counts an argument (a fixed-shape channel takes its count in one
+        `QueueDequeueManyV2`)."""
+        pattern = sorted(((k, n) for k, n in self.items() if n > 0), key=lambda kn: repr(kn[0]))
+        self.clear()
+        if not pattern:
+            return
+        keys = tuple(k for k, _ in pattern)
+        fn = self.droppers.get(keys)
+        if fn is None:
+            fn = self.droppers[keys] = _dropper([self.channels[k] for k in keys])
+        try:
+            fn(tf.constant([n for _, n in pattern], tf.int32))
+        except tf.errors.InvalidArgumentError:
+            raise TerraRuntimeError("terra: fewer elements queued than counted as left unread "
+                                    f"({', '.join(f'{k}: {n}' for k, n in pattern)})") from None
+
+
+def _dropper(channels):
+    """A function dequeuing `counts[i]` elements of `channels[i]` (the counts: an int32 vector)."""
+    def drop(counts):
+        checks = [tf.debugging.assert_greater_equal(ch.queue.size(), counts[i])
+                  for i, ch in enumerate(channels)]
+        with tf.control_dependencies(checks):
+            for i, ch in enumerate(channels):
+                if ch.element_bytes is not None:
+                    ch.queue.dequeue_many(counts[i])
+                else:  # (no many-dequeue without fixed shapes)
+                    tf.while_loop(lambda j: j < counts[i],
+                                  lambda j, q=ch.queue: _after(q.dequeue(), j + 1), [0])
+    return tf.function(drop, autograph=False).get_concrete_function(
+        tf.TensorSpec([len(channels)], tf.int32))
+
+
+def _after(value, then):
+    with tf.control_dependencies(tf.nest.flatten(value)):
+        return tf.identity(then)
 
 
 def case_select_channel(name="case_select"):

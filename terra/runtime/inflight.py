@@ -68,7 +68,7 @@ class InFlight:
         if outs is not FAILED:
             with self._internal():
                 it.outputs = it.exe.outputs(outs, runner.fetch)
-                it.graph().drop_stale()
+                it.graph().drop_stale(outputs=it.outputs)
             it.release()
             return
         with self._internal():

@@ -9,7 +9,7 @@ from tensorflow.core.protobuf import rewriter_config_pb2
 
 from terra import _tf_private as tfp
 from terra.compiler import xla
-from terra.compiler.channels import drop_elements
+from terra.compiler.channels import Unread
 from terra.compiler.path_lowering import LoweredPath
 from terra.config import CONFIG
 from terra.ir.records import OutputRef
@@ -132,8 +132,9 @@ class PathGraph:
         self.xla_spans = lowered.xla_spans
         # fetch channel -> elements that finished iterations left in it unread (their runs
         # enqueue them; the next reader skips them first)
-        self.stale: dict = {}
-        self.droppers: dict = {}  # pattern of unread counts -> function that drops them
+        self.stale = Unread(self.fetch_channels)
+        self.unsized = frozenset(r for r, ch in self.fetch_channels.items()
+                                 if ch.element_bytes is None and r in set(self.liveouts))
 
     def bind(self, path, renaming: dict) -> bool:
         """Serve `path` too: its trace is this graph's path's over other variables
@@ -167,7 +168,7 @@ class PathGraph:
             if fetched is None or ref not in fetched:
                 if ch.size():
                     ch.drain()
-        self.stale = {}
+        self.stale.clear()
 
     def leave_unread(self, fetched) -> None:
         """A finished iteration whose run may still be going read only `fetched`: the elements
@@ -176,11 +177,20 @@ class PathGraph:
             if ref not in fetched:
                 self.stale[ref] = self.stale.get(ref, 0) + 1
 
-    def drop_stale(self) -> None:
-        """Take now the elements finished runs left unread: with no later reader of a channel
-        they would pile up, one per iteration (all runs that added to `stale` have ended, so
-        they are at the heads of their queues)."""
-        drop_elements(self.stale, self.fetch_channels, self.droppers)
+    def drop_stale(self, now: bool = False, outputs=None) -> None:
+        """A run of this graph was collected (`outputs`: its live-out values): take the elements
+        finished runs left unread when they are due (`Unread.collected`), or `now`. Only when
+        every run that added to `stale` has ended: then they are at the heads of their queues."""
+        if now:
+            self.stale.drop()
+            return
+        unread = self.stale
+        for ref in unread:
+            if ref in self.unsized:  # (a live-out's channel is fed the run's output)
+                v = (outputs or {}).get(ref)
+                if v is not None:
+                    unread.seen_bytes[ref] = v.shape.num_elements() * v.dtype.size
+        unread.collected()
 
     @property
     def stall_seconds(self) -> float:

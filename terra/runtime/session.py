@@ -304,6 +304,9 @@ class Session:
                     with self.internal():
                         it.finish()
                 self.inflight.collect()
+                with self.internal():  # no run is left: take what runs left unread
+                    for g in self._graphs:
+                        g.drop_stale(now=True)
         finally:
             self.iteration = None
             self.owner = None

@@ -31,7 +31,7 @@ from terra.compiler.plan import Planner
 from terra.compiler.lower import lower
 from terra.compiler.merge import merge
 from terra.ir.records import Fetch, Trace
-from terra.compiler.channels import drop_elements
+from terra.compiler.channels import Unread
 from terra.config import CONFIG
 from terra.runtime.executable import Executable, PathRun
 from terra.runtime.fallback import Snapshot, written_variables
@@ -144,8 +144,7 @@ class SiteGraph:
         self.snapshot = Snapshot.of(variables)
         self.built_for = self.key_of(self.paths)
         # fetch key -> elements finished iterations left unread (the next reader skips them)
-        self.stale: dict = {}
-        self.droppers: dict = {}  # as PathGraph.droppers
+        self.stale = Unread(self.lowered.fetches)
         self.build_seconds = time.perf_counter() - t0
 
     @staticmethod
@@ -159,11 +158,14 @@ class SiteGraph:
     def drain(self, fetched=None) -> None:
         """Empty every channel (no run of this graph pending or running)."""
         self.lowered.drain()
-        self.stale = {}
+        self.stale.clear()
 
-    def drop_stale(self) -> None:
-        """As `PathGraph.drop_stale`: take the unread elements of finished runs now."""
-        drop_elements(self.stale, self.lowered.fetches, self.droppers)
+    def drop_stale(self, now: bool = False, outputs=None) -> None:
+        """As `PathGraph.drop_stale`."""
+        if now:
+            self.stale.drop()
+        else:
+            self.stale.collected()
 
     @property
     def stall_seconds(self) -> float:

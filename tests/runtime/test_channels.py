@@ -353,3 +353,56 @@ def test_a_wait_formats_the_channels_description_only_when_it_times_out():
     with pytest.raises(TerraTimeoutError, match=r"counted") as info:
         fetch.get(timeout=0.01)
     assert Counted.described == 1 and info.value.what.startswith("Counted('counted'")
+
+
+def test_unread_elements_are_taken_in_batches_by_count_and_by_size(monkeypatch):
+    """Elements no reader takes are dequeued every DROP_EVERY collected runs in one call, at
+    once when they hold DROP_BYTES or an element of a size never seen, and a count above what
+    is queued raises instead of blocking."""
+    from terra.compiler import channels
+    from terra.errors import TerraRuntimeError
+
+    fixed = FetchChannel(tf.float32, [4], name="fixed")      # 16 bytes an element
+    varying = FetchChannel(tf.float32, [None], name="varying")
+    assert fixed.element_bytes == 16 and varying.element_bytes is None
+    unread = channels.Unread({"f": fixed, "v": varying})
+
+    def enqueue(n):
+        @tf.function(autograph=False)
+        def run():
+            for _ in range(n):
+                fixed.enqueue_op(tf.ones([4]))
+                varying.enqueue_op(tf.ones([3]))
+        run()
+
+    sizes = []
+    for i in range(2 * channels.DROP_EVERY):
+        enqueue(1)
+        unread["f"] = unread.get("f", 0) + 1
+        if i == 0:
+            unread["v"] = 1
+            unread.collected()  # a varying element of a size never seen: taken at once
+            assert not unread and varying.size() == 0 and fixed.size() == 0
+            unread.seen_bytes["v"] = 12
+            continue
+        unread["v"] = unread.get("v", 0) + 1
+        unread.collected()
+        sizes.append((fixed.size(), varying.size()))
+    # taken after every DROP_EVERY runs, and only then
+    want = [(k % channels.DROP_EVERY, k % channels.DROP_EVERY) for k in range(1, len(sizes) + 1)]
+    assert sizes == want, sizes
+    assert len(unread.droppers) == 1  # one function for the two channels, counts an argument
+
+    monkeypatch.setattr(channels, "DROP_BYTES", 3 * 16 + 3 * 12)
+    unread.drop()
+    for k in range(1, 4):
+        enqueue(1)
+        unread["f"], unread["v"] = k, k
+        unread.collected()
+        assert fixed.size() == (0 if k == 3 else k), k  # three runs hold DROP_BYTES
+
+    enqueue(1)
+    unread["f"] = 2
+    with pytest.raises(TerraRuntimeError, match="fewer elements queued"):
+        unread.drop()
+    assert not unread

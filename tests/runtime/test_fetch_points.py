@@ -77,7 +77,7 @@ def test_a_step_function_fetches_only_the_loss_it_returns():
     fetched = [trace.records[r.record].op_type for r in graph.fetch_channels]
     # the loss only: no gradient, activation or dense shape of the embedding's IndexedSlices
     assert len(fetched) == 1 and graph.liveouts == (), (fetched, graph.liveouts, explain)
-    assert not graph.droppers and not graph.stale, graph.droppers
+    assert not graph.stale.droppers and not graph.stale, graph.stale.droppers
     # the trace did see reads inside units; they are marked, and not compiled as fetches
     assert any(f.in_unit for f in trace.fetches), trace.fetches
 
