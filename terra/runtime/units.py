@@ -319,7 +319,51 @@ def _switch_for_data(runner, unit) -> bool:
     return runner.iteration.switch(d, tried={id(runner.iteration.path)}, accepts=accepts)
 
 
-def layer_call(session, layer, original, args, kwargs, loss=None, state=()):
+def _enter_traced(it, d: Divergence, accepts) -> bool:
+    """A unit's call whose first op would leave the path: a model called where its path ends
+    while another path of the site goes on from there (a GAN's generator step after its last
+    critic step), or data of another signature than the unit was traced with, where no path
+    traced with that signature has this call as a unit (`_switch_for_data`). Switch now to a
+    compiled path that `accepts` what comes (True: the caller calls again, on that path), or
+    else fall back before the call (False: it is then traced whole, as one unit). Left to its
+    first op, the fallback came inside the call, the trace held the layers as units of their
+    own, and the path taken from it matched them one by one for good (wgan_gp's generator: a
+    dozen layers, 8 ms a step)."""
+    if it.switch(d, tried={id(it.path)}, accepts=accepts):
+        return True
+    it.fallback(d)
+    return False
+
+
+def _takes_data(new_feed):
+    """Whether a path was traced with a feed of `new_feed`'s (slot, dtype, shape), or runs a
+    shape group's graph that takes it (`_group_takes`)."""
+    slot, dtype, shape = new_feed
+
+    def accepts(q):
+        specs = q.view.feed_specs
+        return slot < len(specs) and specs[slot].dtype == dtype and \
+            specs[slot].shape is not None and tuple(specs[slot].shape) == tuple(shape) or \
+            _group_takes(q, new_feed)
+    return accepts
+
+
+def _group_takes(q, new_feed) -> bool:
+    """Whether path `q`'s shape group relaxed feed `slot` to take `shape` (its ops, matched one
+    by one, may then go on on the group's graph with shapes no member was traced with)."""
+    g = q.group
+    if g is None:
+        return False
+    slot, dtype, shape = new_feed
+    feeds = g.relaxed.trace.feeds
+    if slot >= len(feeds):
+        return False
+    spec = feeds[slot].spec
+    return spec.dtype == dtype and spec.shape is not None and len(spec.shape) == len(shape) \
+        and all(a is None or a == b for a, b in zip(spec.shape, shape))
+
+
+def layer_call(session, layer, original, args, kwargs, loss=None, state=(), entered=False):
     """A built-in Keras layer call, a call of a plain Sequential or functional model made of
     built-in layers, or (`loss`) of a built-in Keras loss object, as one coarse unit (guarded on
     the object, its plain Python settings and, for a model, each of its layers and theirs,
@@ -370,20 +414,41 @@ def layer_call(session, layer, original, args, kwargs, loss=None, state=()):
             return ("value", x)
         return guard_ref(session, it, x)
 
+    if model and not entered and it.mode == Mode.SKIP and \
+            it.runner.view.units.get(it.runner.pos) is None and \
+            it.runner.pos >= it.runner.view.n and it.extended_elsewhere():
+        pos = it.runner.pos
+        d = Divergence(user_line(), "the end of the path", f"a call of {type(layer).__name__}",
+                       pos, PAST_END, DivergenceKind.PAST_END)
+        if _enter_traced(it, d, lambda q: (u := q.view.units.get(pos)) is not None and
+                         u.guard[:2] == (owner, settings)):
+            return layer_call(session, layer, original, args, kwargs, loss, state, True)
+        args, kwargs = real_values(args), real_values(kwargs)  # (traced from here: its values)
     if it.mode == Mode.SKIP:
         unit = it.runner.view.units.get(it.runner.pos)
         guard = (owner, settings) + tuple(guard_of(x) for x in flat)
         if data and unit is not None and len(unit.guard) == len(guard) and \
                 unit.guard[:2] == guard[:2]:
+            runner = it.runner
             with session.internal():
-                fed = _feed_data_inputs(it.runner, unit.guard, guard, flat)
-                if fed is None and _switch_for_data(it.runner, unit):
-                    unit = it.runner.view.units.get(it.runner.pos)  # the same call's unit
+                fed = _feed_data_inputs(runner, unit.guard, guard, flat)
+                d, new_feed = runner.data_divergence, runner.new_feed
+                if fed is None and _switch_for_data(runner, unit):
+                    unit = runner.view.units.get(runner.pos)  # the same call's unit
                     guard = (owner, settings) + tuple(guard_of(x) for x in flat)
-                    fed = _feed_data_inputs(it.runner, unit.guard, guard, flat)
-            if fed is None:
+                    fed = _feed_data_inputs(runner, unit.guard, guard, flat)
+                    d, new_feed = runner.data_divergence or d, runner.new_feed or new_feed
+                runner.data_divergence = None
+            if fed is None and (d is None or new_feed is None or entered or
+                                _group_takes(it.path, new_feed)):
                 return original(layer, *args, **kwargs)
-            guard = fed
+            if fed is None:
+                if _enter_traced(it, d, _takes_data(new_feed)):
+                    return layer_call(session, layer, original, args, kwargs, loss, state, True)
+                args, kwargs = real_values(args), real_values(kwargs)
+            else:
+                guard = fed
+    if it.mode == Mode.SKIP:  # (not after a fallback above: then the call is traced)
         diverged = None
         if unit is not None and unit.guard == guard:
             try:

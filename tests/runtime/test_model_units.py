@@ -264,3 +264,67 @@ def test_a_tensor_the_model_converted_is_fed_to_the_embedding_unit(monkeypatch, 
     # one) and Mean
     assert matched == ["Pow", "Pow", "Mean"] if user_units else \
         ["Mul", "Pow", "Pow", "Mean"], matched
+
+
+def gan(Tape, steps=10, batches=(8,), seed=3):
+    """A GAN's step (keras.io's WGAN-GP, in small): two critic updates, then the generator's,
+    its noise drawn outside the tapes; the batch size cycles through `batches` (a last batch
+    of another size every epoch)."""
+    keras.utils.set_random_seed(seed)
+    gen = keras.Sequential([keras.layers.Input((3,)), keras.layers.Dense(6),
+                            keras.layers.LeakyReLU(negative_slope=0.2), keras.layers.Dense(4)])
+    critic = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(6),
+                               keras.layers.LeakyReLU(negative_slope=0.2), keras.layers.Dense(1)])
+    c_opt, g_opt = keras.optimizers.SGD(0.02), keras.optimizers.SGD(0.02)
+    rng = np.random.default_rng(seed)
+    losses = []
+    for i in range(steps):
+        n = batches[i % len(batches)]
+        real = tf.constant(rng.normal(size=(n, 4)).astype(np.float32))
+        for _ in range(2):
+            z = tf.constant(rng.normal(size=(n, 3)).astype(np.float32))
+            with Tape() as tape:
+                c_loss = tf.reduce_mean(critic(gen(z, training=True), training=True)) - \
+                    tf.reduce_mean(critic(real, training=True))
+            grads = tape.gradient(c_loss, critic.trainable_variables)
+            c_opt.apply_gradients(zip(grads, critic.trainable_variables))
+        z = tf.constant(rng.normal(size=(n, 3)).astype(np.float32))
+        with Tape() as tape:
+            g_loss = -tf.reduce_mean(critic(gen(z, training=True), training=True))
+        grads = tape.gradient(g_loss, gen.trainable_variables)
+        g_opt.apply_gradients(zip(grads, gen.trainable_variables))
+        losses.append((float(c_loss), float(g_loss)))
+    return losses, [v.numpy().tolist() for v in gen.variables + critic.variables], gen
+
+
+def _model_units(gen):
+    """Per compiled path: its calls of `gen` skipped whole (model units), and all its units."""
+    out = []
+    for site in terra._SESSION.sites.values():
+        for p in site.paths.values():
+            if p.graph is not None:
+                out.append((sum(u.guard[0] == id(gen) for u in p.units.values()), len(p.units)))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("batches", [(8,), (8, 8, 8, 8, 5)], ids=["one_size", "last_batch_smaller"])
+def test_a_model_first_met_where_the_path_leaves_is_traced_as_one_unit(batches):
+    """Where a path ends and the program goes on into a model call (the generator's step after
+    the critic's), or a model is handed data of a shape no path was traced with (a smaller last
+    batch), the fallback comes before the call, not at its first op: the trace then holds the
+    call as one unit, and every later step skips it whole. Falling back inside the call, the
+    trace held the model's layers as units of their own, and the path taken from it matched
+    them one by one for good (with the fallback at the first op: generator units per path
+    [1, 1] and [0, 1, 1, 1, 1], 8 traces, 3 fallbacks and 4 builds with the smaller batch)."""
+    eager = gan(tf.GradientTape, batches=batches)[:2]
+    with CompileCounter() as c:
+        *got, gen = gan(tf.TerraGradientTape, batches=batches)
+        terra.end_iteration()
+    assert got == list(eager), terra.explain()
+    # the critic's paths call the generator once, the path going on into its step twice
+    per_path = [n for n, _ in _model_units(gen)]
+    assert per_path == {(8,): [1, 2], (8, 8, 8, 8, 5): [1, 1, 1, 2]}[batches], \
+        (per_path, terra.explain())
+    assert (c.traces, c.fallbacks, c.graph_builds) == {(8,): (6, 1, 2),
+                                                        (8, 8, 8, 8, 5): (7, 2, 3)}[batches], \
+        (c.traces, c.fallbacks, c.graph_builds, terra.explain())
