@@ -319,17 +319,20 @@ def _switch_for_data(runner, unit) -> bool:
     return runner.iteration.switch(d, tried={id(runner.iteration.path)}, accepts=accepts)
 
 
-def _enter_traced(it, d: Divergence, accepts) -> bool:
+def _enter_traced(it, d: Divergence, accepts, loose=None) -> bool:
     """A unit's call whose first op would leave the path: a model called where its path ends
     while another path of the site goes on from there (a GAN's generator step after its last
     critic step), or data of another signature than the unit was traced with, where no path
     traced with that signature has this call as a unit (`_switch_for_data`). Switch now to a
-    compiled path that `accepts` what comes (True: the caller calls again, on that path), or
-    else fall back before the call (False: it is then traced whole, as one unit). Left to its
+    compiled path that `accepts` what comes, or else to one that `loose` accepts (True: the
+    caller calls again, on that path), or else fall back before the call (False: it is then
+    traced whole, as one unit). Left to its
     first op, the fallback came inside the call, the trace held the layers as units of their
     own, and the path taken from it matched them one by one for good (wgan_gp's generator: a
     dozen layers, 8 ms a step)."""
     if it.switch(d, tried={id(it.path)}, accepts=accepts):
+        return True
+    if loose is not None and it.switch(d, tried={id(it.path)}, accepts=loose):
         return True
     it.fallback(d)
     return False
@@ -420,8 +423,10 @@ def layer_call(session, layer, original, args, kwargs, loss=None, state=(), ente
         pos = it.runner.pos
         d = Divergence(user_line(), "the end of the path", f"a call of {type(layer).__name__}",
                        pos, PAST_END, DivergenceKind.PAST_END)
+        # (a path going on through the call's ops one by one, as its first op would take: a
+        # model that is no unit, its output masked)
         if _enter_traced(it, d, lambda q: (u := q.view.units.get(pos)) is not None and
-                         u.guard[:2] == (owner, settings)):
+                         u.guard[:2] == (owner, settings), loose=lambda q: True):
             return layer_call(session, layer, original, args, kwargs, loss, state, True)
         args, kwargs = real_values(args), real_values(kwargs)  # (traced from here: its values)
     if it.mode == Mode.SKIP:

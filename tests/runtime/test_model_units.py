@@ -328,3 +328,46 @@ def test_a_model_first_met_where_the_path_leaves_is_traced_as_one_unit(batches):
     assert (c.traces, c.fallbacks, c.graph_builds) == {(8,): (6, 1, 2),
                                                         (8, 8, 8, 8, 5): (7, 2, 3)}[batches], \
         (c.traces, c.fallbacks, c.graph_builds, terra.explain())
+
+
+def critic_then_masked(Tape, steps=10, seed=4):
+    """One or two updates of one model, then one of a model whose output carries a Keras mask (an
+    Embedding with `mask_zero`): never a unit (`layer_call`), so its call is matched op by op."""
+    keras.utils.set_random_seed(seed)
+    critic = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(1)])
+    masked = keras.Sequential([keras.layers.Input((5,), dtype="int32"),
+                               keras.layers.Embedding(10, 3, mask_zero=True),
+                               keras.layers.Dense(2)])
+    c_opt, m_opt = keras.optimizers.SGD(0.02), keras.optimizers.SGD(0.02)
+    rng = np.random.default_rng(seed)
+    losses = []
+    for i in range(steps):
+        for _ in range(int(rng.integers(1, 3))):  # one or two, at random: mispredicted
+            x = tf.constant(rng.normal(size=(8, 4)).astype(np.float32))
+            with Tape() as tape:
+                c_loss = tf.reduce_mean(critic(x) ** 2)
+            grads = tape.gradient(c_loss, critic.trainable_variables)
+            c_opt.apply_gradients(zip(grads, critic.trainable_variables))
+        ids = tf.constant(rng.integers(0, 10, size=(8, 5)).astype(np.int32))
+        with Tape() as tape:
+            m_loss = tf.reduce_mean(masked(ids) ** 2)
+        grads = tape.gradient(m_loss, masked.trainable_variables)
+        m_opt.apply_gradients(zip(grads, masked.trainable_variables))
+        losses.append((float(c_loss), float(m_loss)))
+    return losses, [v.numpy().tolist() for v in critic.variables + masked.variables]
+
+
+def test_a_model_that_is_no_unit_called_past_a_paths_end_switches_to_the_path_going_on():
+    """Past the end of a path, a model call that no path holds as a unit (its output carries a
+    mask) switches to the compiled path that goes on through its ops, as its first op would;
+    it does not fall back every step for want of a path holding it as a unit."""
+    eager = critic_then_masked(tf.GradientTape, steps=16)
+    with CompileCounter() as c:
+        got = critic_then_masked(tf.TerraGradientTape, steps=16)
+        terra.end_iteration()
+    assert got == eager, terra.explain()
+    # (falling back where a path held no unit of the call: 9 traces, 4 fallbacks, 2 switches)
+    c.assert_counts(traces=6, fallbacks=1, graph_builds=2, path_switches=5)
+    switched = [e for e in terra.explain().splitlines()
+                if e.startswith("[switch]") and "op after the end of the path" in e]
+    assert len(switched) == 3, terra.explain()
