@@ -623,6 +623,14 @@ def api_unit_methods() -> list:
             if name in tensor_lib.Tensor.__dict__]
 
 
+def plain_operator_dtypes() -> bool:
+    """Whether TF's tensor operators convert their operands as TF always has (no auto dtype
+    conversion, no NumPy-style promotion): then `x * 2.0` on a float tensor `x` is the op
+    `Mul(x, 2.0)` and nothing else (runtime/python_runner.py `SkipPlaceholder` operators)."""
+    return not _ops.is_auto_dtype_conversion_enabled() and \
+        not _ops.is_numpy_style_type_promotion()
+
+
 def api_unit_functions() -> list:
     """(module object, attribute name) of each of `API_UNIT_FUNCTIONS` the installed TF has:
     the public module (`tf.nn`) a program's call resolves through, so a patch there reaches the

@@ -375,3 +375,21 @@ def test_gradient_taken_leaves_a_tape_as_tf_gradient_does():
         kept.watch(x)
         assert tfp.gradient_taken(kept) is False
         assert tfp.tapes_recording()
+
+
+def test_plain_operator_dtypes_follows_tfs_dtype_conversion_mode():
+    """Skipped placeholders' operators (python_runner `_OPERATORS`) call the op directly only
+    while TF's operators convert as they always have: NumPy-style promotion and auto dtype
+    conversion each change which op `x * 2.0` is."""
+    from tensorflow.python.framework import ops
+    assert tfp.plain_operator_dtypes()
+    before = ops._dtype_conversion_mode
+    try:
+        for mode in ("legacy", "all", "safe"):
+            ops.set_dtype_conversion_mode(mode)
+            assert not tfp.plain_operator_dtypes(), mode
+        ops.set_dtype_conversion_mode("off")
+        assert tfp.plain_operator_dtypes()
+    finally:
+        ops._dtype_conversion_mode = before
+    assert tfp.plain_operator_dtypes()

@@ -53,6 +53,41 @@ class SkipPlaceholder(Placeholder):
         return super().__tf_tensor__(dtype, name)
 
 
+# Arithmetic operators of a skipped float placeholder, by the op TF's operator issues for a
+# Python number or a tensor of its dtype (and reversed: the operand is the op's first input):
+# the operator's layers above that op (traceback filter, name scope, dtype promotion, dispatch,
+# conversion of the number) cost more than matching the op; the op is the same op, and the
+# raw op's wrapper routes it to the hook as TF's own call would. Anything else takes TF's
+# operator.
+_OPERATORS = {"__add__": ("AddV2", False), "__radd__": ("AddV2", True),
+              "__sub__": ("Sub", False), "__rsub__": ("Sub", True),
+              "__mul__": ("Mul", False), "__rmul__": ("Mul", True),
+              "__truediv__": ("RealDiv", False), "__rtruediv__": ("RealDiv", True),
+              "__pow__": ("Pow", False), "__rpow__": ("Pow", True)}
+_FLOATS = frozenset(tf.dtypes.as_dtype(d) for d in ("float16", "bfloat16", "float32", "float64"))
+
+
+def _operator(method, op_type, reverse):
+    tf_method = getattr(tf.Tensor, method)
+    raw = getattr(tf.raw_ops, op_type)
+
+    def operator(self, other):
+        owner = self.__dict__.get("_terra_owner")
+        if owner is not None and owner.skipping and hook.active() is owner and \
+                self._dtype in _FLOATS and (
+                    type(other) in (float, int) or
+                    isinstance(other, (Placeholder, tfp.EagerTensorBase)) and
+                    other.dtype == self._dtype) and tfp.plain_operator_dtypes():
+            return raw(x=other, y=self) if reverse else raw(x=self, y=other)
+        return tf_method(self, other)
+    operator.__name__ = method
+    return operator
+
+
+for _method, (_op, _reverse) in _OPERATORS.items():
+    setattr(SkipPlaceholder, _method, _operator(_method, _op, _reverse))
+
+
 def placeholder_ref(x, runner) -> Optional[OutputRef]:
     """The OutputRef of `x` if it is a placeholder of `runner`'s current iteration."""
     if isinstance(x, SkipPlaceholder) and x.__dict__.get("_terra_owner") is runner \
@@ -218,9 +253,13 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
         view, p = self.view, self.pos
         if route == "fast" and p < view.n and view.records[p].op_type == op_type and (
                 op_type in HOST_OPS or view.records[p].route == "fallback" and
-                p in view.fast_fallbacks):
+                p in view.fast_fallbacks and (p in view.twins or may_take_variable(inputs))):
             # a host op runs for real, and only the slow route hands over an input list whose
-            # placeholders can be resolved in place
+            # placeholders can be resolved in place; an op eager sent to its slow route reads
+            # its variable inputs there first, and an eager twin runs for real on eager's route.
+            # Any other (eager's fast path refused a Python number under a tape: the recorder's
+            # `_has_raw_value`) issued no op before it (the record here is the op): matched
+            # here, its numbers as the constants they became, it skips the wrapper's slow route
             self._raised = op_type
             raise tfp.FallbackException()
         if route == "fast" and p in view.twins and view.records[p].op_type == op_type and \

@@ -260,13 +260,20 @@ def _wrap_args_to_matching(orig):
     int64 `n` is int64). TF looks only for eager tensors there, so where that tensor is a
     placeholder (skip mode, or one a fallback bound) the literal before it would set int32: skip
     mode would see another op than eager ran, and the fallback that follows would run it on
-    mixed dtypes. A placeholder sets the dtype as the eager tensor it stands for would."""
+    mixed dtypes. A placeholder sets the dtype as the eager tensor it stands for would; and where
+    every input is a tensor, nothing but the placeholders is converted, as TF converts none:
+    a tensor of another dtype reaches the kernel, whose error is eager's (not a conversion's)."""
     def args_to_matching_eager(l, ctx, allowed_dtypes, default_dtype=None):
         for t in l:
             if isinstance(t, tfp.CoreValue):
                 break
             if hasattr(t, "_terra_materialize"):
                 dtype = t.dtype
+                if all(isinstance(x, tfp.CoreValue) or hasattr(x, "_terra_materialize")
+                       for x in l):
+                    return dtype.as_datatype_enum, [
+                        x if isinstance(x, tfp.CoreValue) else tfp.convert_registered(x, dtype)
+                        for x in l]
                 return dtype.as_datatype_enum, [tfp.convert_registered(x, dtype) for x in l]
         return orig(l, ctx, allowed_dtypes, default_dtype)
     return args_to_matching_eager
