@@ -5,7 +5,6 @@ exactly `optimizer.iterations` steps. Before, the interrupt dropped the pending 
 import _thread
 import os
 import sys
-import threading
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -52,41 +51,33 @@ def _train(Tape, steps):
     return interrupted, int(opt.iterations), [v.numpy() for v in model.weights]
 
 
-def _interrupt_once_finishing_waits(stop):
-    """Ctrl-C for the main thread once it waits inside `Iteration.finish` (the boundary); never
-    after `stop` is set (the loop ended without such a wait: no stray interrupt later)."""
-    main = threading.main_thread().ident
+def _interrupt_at_the_first_boundary_wait():
+    """A profile function for the main thread that presses Ctrl-C the first time the thread
+    enters a wait (`wait_until`, `wait_event`) inside `Iteration.finish` (the boundary). It sees
+    the call itself, so the interrupt lands there however busy the machine is (a thread
+    sampling the main thread's stack, as this test did before, can miss every such wait on a
+    loaded machine, and then no Ctrl-C comes at all)."""
+    waits = (wait_until.__code__, wait_event.__code__)
+    finish = Iteration.finish.__code__
+    state = {"depth": 0, "fired": False}
 
-    def finishing():
-        f = sys._current_frames().get(main)
-        seen_wait = False
-        while f is not None:
-            if f.f_code in (wait_until.__code__, wait_event.__code__):
-                seen_wait = True
-            if f.f_code is Iteration.finish.__code__:
-                return seen_wait
-            f = f.f_back
-        return False
-
-    def fire():
-        while not stop.is_set():
-            if finishing():
-                _thread.interrupt_main()
-                return
-            time.sleep(0.001)
-    t = threading.Thread(target=fire, daemon=True)
-    t.start()
-    return t
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if code is finish:
+            state["depth"] += {"call": 1, "return": -1}.get(event, 0)
+        elif event == "call" and code in waits and state["depth"] > 0 and not state["fired"]:
+            state["fired"] = True
+            _thread.interrupt_main()
+    return profile
 
 
 def test_ctrl_c_while_the_left_step_completes_keeps_that_step():
-    stop = threading.Event()
-    firing = _interrupt_once_finishing_waits(stop)
+    previous = sys.getprofile()
+    sys.setprofile(_interrupt_at_the_first_boundary_wait())
     try:
         interrupted, done, weights = _train(tf.TerraGradientTape, STEPS)
     finally:
-        stop.set()
-        firing.join()
+        sys.setprofile(previous)
     assert interrupted and 3 <= done < STEPS, (interrupted, done)
     _, eager_done, eager = _train(tf.GradientTape, done)
     assert eager_done == done
