@@ -239,12 +239,14 @@ def train_embedding_model(Tape, steps=8):
 
 
 @pytest.mark.parametrize("user_units", [False, True])
-def test_a_tensor_the_model_converted_is_fed_to_the_embedding_unit(monkeypatch, user_units):
+def test_a_tensor_the_model_converted_is_fed_to_the_embedding_unit(monkeypatch, request,
+                                                                   user_units):
     """The functional model converts the NumPy ids to a tensor and hands it to its Embedding:
     an external tensor, fed when the Embedding unit is skipped (before, the layer's guard named
     it by object, which is new every step, so the unit was never usable). With user-defined
     layers as units, the model (its Scale layer only computes) is one unit, fed the same way."""
-    terra.config(user_layer_units=user_units)
+    old = terra.config(user_layer_units=user_units)
+    request.addfinalizer(lambda: terra.config(**old))  # a setting is global: put it back
     from terra.runtime.python_runner import PythonRunner
     matched = []
     original = PythonRunner._skip
