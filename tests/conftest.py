@@ -38,3 +38,27 @@ def python_sigint():
     yield
     signal.signal(signal.SIGINT, old)
 
+
+
+@pytest.fixture(autouse=True)
+def _settings_put_back(request):
+    """Fail a test that leaves a `terra.config` setting changed (and put it back): under
+    `make test` tests run in two processes in an order that changes with the machine's speed,
+    so a setting left behind changes whichever test comes next in that process."""
+    import sys
+    terra = sys.modules.get("terra")  # (the pipeline tests never load the runtime)
+    before = terra.config() if terra is not None else None
+    yield
+    terra = sys.modules.get("terra")
+    if terra is None:
+        return
+    if before is None:
+        from terra.config import Config
+        import dataclasses
+        before = dataclasses.asdict(Config())
+    after = terra.config()
+    if after != before:
+        changed = {k: (before[k], after[k]) for k in before if after[k] != before[k]}
+        terra.config(**before)
+        pytest.fail(f"{request.node.nodeid} left terra settings changed "
+                    f"(setting: (before, after)): {changed}", pytrace=False)
