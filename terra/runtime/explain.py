@@ -86,8 +86,8 @@ def summary(stats: dict, sites, events, max_sites: int = 8) -> str:
     lines = [f"terra: {stats['iterations']} iterations at {len(sites)} site(s): "
              f"{stats['traces']} traces, {stats['graph_builds']} graph builds, "
              f"{stats['fallbacks']} fallbacks, {stats['path_switches']} path switches",
-             f"  time: Python {stats['python_exec_s']:.2f} s (of it waiting for the graph "
-             f"{stats['python_stall_s']:.2f} s), graph {stats['graph_exec_s']:.2f} s "
+             f"  time: Python {stats['python_exec_s']:.2f} s, and waiting for the graph "
+             f"{stats['python_stall_s']:.2f} s; graph {stats['graph_exec_s']:.2f} s "
              f"(of it waiting for Python {stats['graph_stall_s']:.2f} s)"]
     for site in sites[:max_sites]:
         state = "eager" if site.eager_reason else site.phase

@@ -10,6 +10,8 @@ error waits in `error` until a sync point raises it (`collect(convert=True)`, `r
 """
 from __future__ import annotations
 
+import time
+
 import tensorflow as tf
 
 from terra.config import CONFIG
@@ -50,6 +52,15 @@ class InFlight:
                                        "previous iteration"))
             self.raise_error()
 
+    def _stalled(self, dt: float) -> None:
+        """The wait for an earlier iteration's run is Python waiting for the graph: it counts
+        as stall, of the iteration running now (whose `python_exec_s` excludes it), not as the
+        skeleton's own time."""
+        self._counters.python_stall_s += dt
+        cur = self._current()
+        if cur is not None:
+            cur.stall += dt
+
     def raise_error(self) -> None:
         e, self.error = self.error, None
         if e is not None:
@@ -57,6 +68,7 @@ class InFlight:
 
     def _collect(self, it) -> None:
         runner = self._runner
+        t = time.perf_counter()
         try:
             with self._internal():
                 outs = runner.result(timeout=CONFIG.timeout_s, run=it.run)
@@ -65,6 +77,7 @@ class InFlight:
         finally:
             self.pending.remove(it)
             it.pending = False
+            self._stalled(time.perf_counter() - t)
         if outs is not FAILED:
             with self._internal():
                 it.outputs = it.exe.outputs(outs, runner.fetch)

@@ -6,6 +6,7 @@ what happens when run i fails after iteration i's last sync point (the error sur
 sync point, variables exactly as eager leaves them at the error)."""
 import os
 import re
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -90,6 +91,37 @@ def test_values_kept_from_a_finished_iteration_resolve_later():
     terra.end_iteration()
     _assert_same(got, eager)
     assert terra.stats()["overlapped_iterations"] == 12 - 3, terra.explain()
+
+
+def test_the_wait_for_an_earlier_run_is_stall_not_skeleton_time(monkeypatch):
+    """An iteration that ends while its run goes on is collected at a later sync point (the
+    next iteration's end): Python waits there for the graph, and that wait counts in
+    `python_stall_s` and not in `python_exec_s` (the skeleton's own time). Each collect here
+    waits 50 ms more than the run needs, so a wait counted as the skeleton's would show."""
+    from terra.runtime.graph_runner import GraphRunner
+    eager = _train(tf.GradientTape, keep=True)
+    waits, result = [], GraphRunner.result
+
+    def slow_result(self, *args, **kwargs):
+        t = time.perf_counter()
+        time.sleep(0.05)
+        try:
+            return result(self, *args, **kwargs)
+        finally:
+            waits.append(time.perf_counter() - t)
+    monkeypatch.setattr(GraphRunner, "result", slow_result)
+    before, t = terra.stats(), time.perf_counter()
+    got = _train(tf.TerraGradientTape, keep=True)
+    terra.end_iteration()
+    wall, after = time.perf_counter() - t, terra.stats()
+    _assert_same(got, eager)
+    assert (after["traces"], after["graph_builds"], after["overlapped_iterations"]) == \
+        (3, 1, 12 - 3), terra.explain()
+    assert len(waits) == 12 - 3  # one collect per overlapped iteration
+    stall = after["python_stall_s"] - before["python_stall_s"]
+    execute = after["python_exec_s"] - before["python_exec_s"]
+    assert stall >= sum(waits), (stall, waits)
+    assert 0 < execute and execute + stall <= wall, (execute, stall, wall)
 
 
 def test_fallback_in_the_next_iteration_waits_for_the_previous_run():
