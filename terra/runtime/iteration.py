@@ -37,6 +37,7 @@ class Iteration(IterationEnd):
         self.session = session
         self.site = site
         self.frame = frame
+        self.frame_lasti = frame.f_lasti if frame is not None else None  # (see Locator)
         self.number = number
         self.mode = Mode.EAGER
         self.recorder: ContinuingRecorder | None = None
@@ -493,7 +494,8 @@ class Iteration(IterationEnd):
             for handle, variable in runner.handles.values():
                 rec.variable_handle(variable, handle)
             hook.set_active(None)
-            rec.start(self.frame)
+            rec.start(self.frame, self.path.trace.records[upto - 1].location if upto else None,
+                      self.frame_lasti)
             hook.set_active(None)  # internal() hands ops to the recorder when Terra's work is done
             rec.release_seed()
             self.recorder = rec

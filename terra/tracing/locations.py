@@ -347,7 +347,11 @@ class Locator:
     it. `location()` is called from inside Terra at op time.
     """
 
-    def __init__(self, root, track_loops: bool = True):
+    def __init__(self, root, track_loops: bool = True, resume=None, root_lasti=None):
+        """`resume`: the location of the last op the iteration issued before this recording
+        starts (a fallback records from the middle of an iteration), whose frames' loop passes
+        the recording continues; `root_lasti`: the root frame's offset when the iteration
+        began (which of its loops enclose the iteration, and are left out of locations)."""
         if root is None:
             raise ValueError("Locator: root frame is None")
         self._stop = set()
@@ -370,9 +374,82 @@ class Locator:
                     info = code_info(f.f_code)
                     if info.traced and not isinstance(getattr(f.f_trace, "__self__", None),
                                                       FrameLoops):
-                        f.f_trace = FrameLoops(info, ignore_at=f.f_lasti).tracer
+                        at = root_lasti if f is root and root_lasti is not None else f.f_lasti
+                        f.f_trace = FrameLoops(info, ignore_at=at).tracer
                 sys.settrace(_global_trace)
                 self.tracking = True
+        if resume is not None:
+            self._resume(root, resume)
+
+    def _resume(self, root, resume) -> None:
+        """Continue the loop passes of the frames that issued the op at `resume` and are still
+        in the same call. From the root down, frames at the same offsets as then wait in the
+        same calls, down to the first frame that moved: at a later offset it is the same call
+        gone on (and, back at an earlier one inside a loop of its own, a new pass of it); at an
+        earlier offset outside its loops, another function, or the frame that issued that op
+        (a call that has returned), it is a new call, made by a new pass of the nearest frame
+        above it inside a loop (frames between, outside loops at the same offsets, are new
+        calls too). Each continuing frame gets its state at that op, advanced as an op-time
+        count advances it (`LibraryFrameLoops`); frames below begin afresh."""
+        stack, f = [], sys._getframe(1)
+        while f is not None:  # (a fallback starts recording from inside Terra, below the op)
+            stack.append(f)
+            if f is root:
+                break
+            f = f.f_back
+        if f is not root:
+            return
+        stack.reverse()  # root first, as a location's frames
+        live = [(k, info) for k, g in enumerate(stack)
+                if not (info := code_info(g.f_code)).internal]
+        then, loops = [], list(resume.loops)
+        for label in resume.frames:
+            name, _, offset = label.rpartition("@")
+            mine = []
+            while loops and loops[0].loop.rpartition("@")[0] == name:
+                mine.append(loops.pop(0))
+            then.append((name, int(offset), mine))
+        n = min(len(live), len(then))
+        e = 0
+        while e < n and live[e][1].label == then[e][0] and stack[live[e][0]].f_lasti == then[e][1]:
+            e += 1
+        if e == 0 and not (n and live[0][1].label == then[0][0]):
+            return
+        new_pass = None  # the frame whose new pass made the new call below it
+        if e < n and live[e][1].label == then[e][0] and (
+                stack[live[e][0]].f_lasti > then[e][1] or any(
+                    s <= stack[live[e][0]].f_lasti <= t and s <= then[e][1] <= t
+                    for s, t, _ in live[e][1].loops)):
+            same = e + 1  # the first frame that moved is the same call, gone on
+        else:
+            d = min(e, len(then) - 1)  # the first frame that is a new call
+            looped = [j for j in range(d) if any(s <= then[j][1] <= t
+                                                 for s, t, _ in live[j][1].loops)]
+            same = d if not looped else looped[-1] + 1
+            new_pass = looped[-1] if looped else None
+        new_call = object()
+        for j in range(same):
+            k, info = live[j]
+            if not info.loops:
+                continue
+            g, (_, o_then, its) = stack[k], then[j]
+            child = stack[k + 1] if k + 1 < len(stack) else None
+            state = LibraryFrameLoops(info)
+            for it in its:
+                if it.loop in info.loop_ids:
+                    state.iters[info.loop_ids.index(it.loop)] = it.iteration
+            for i, (s, t, _) in enumerate(info.loops):
+                if s <= o_then <= t and state.iters[i] is None:
+                    state.iters[i] = 0  # (a loop left out of locations: the root's own)
+            state.last = o_then
+            state.last_child = new_call if j == new_pass else child
+            state.at(g.f_lasti, child)  # the passes since that op
+            tracer = getattr(g.f_trace, "__self__", None)
+            if isinstance(tracer, FrameLoops):  # the root: line events count from here on
+                tracer.iters, tracer.last = list(state.iters), g.f_lasti
+            else:
+                state.ignored = info.none_ignored
+                self._library[g] = state
 
     def close(self) -> None:
         if self.tracking:

@@ -264,7 +264,8 @@ class Recorder(hook.Interceptor):
         self.recording = False
 
     # ---------------------------------------------------------------------------- lifecycle
-    def start(self, root_frame=None) -> "Recorder":
+    def start(self, root_frame=None, resume=None, root_lasti=None) -> "Recorder":
+        """`resume` / `root_lasti`: see `Locator` (a recording that starts mid-iteration)."""
         if self.recording:
             raise RuntimeError("Recorder.start(): already recording")
         root = sys._getframe(1) if root_frame is None else root_frame
@@ -274,7 +275,8 @@ class Recorder(hook.Interceptor):
         except Exception:
             hook.uninstall()
             raise
-        self._locator = Locator(root, track_loops=self.track_loops)
+        self._locator = Locator(root, track_loops=self.track_loops, resume=resume,
+                                root_lasti=root_lasti)
         gc_window.widen(self.young_gc)
         self.recording = True
         return self

@@ -460,3 +460,47 @@ def test_a_variable_made_inside_a_compiled_tape_keeps_the_gradient():
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(got[1], eager[1])
     c.assert_counts(traces=3, fallbacks=1, graph_builds=1)
+
+
+def _blocks(x, w, point):
+    for k in range(len(w)):
+        if k == point:
+            x = tf.multiply(x, 0.5)
+        x = tf.tanh(x * w[k])
+    return x
+
+
+def _blocks_program(Tape, points):
+    w = [tf.Variable(tf.fill((3,), 0.3 + 0.1 * k)) for k in range(5)]
+    losses = []
+    for point in points:
+        with Tape() as tape:
+            loss = tf.reduce_sum(_blocks(tf.constant([1.0, -2.0, 0.5]), w, point))
+        for v, g in zip(w, tape.gradient(loss, w)):
+            v.assign_sub(0.1 * g)
+        losses.append(float(loss))
+    terra.end_iteration()
+    return losses, [v.numpy() for v in w]
+
+
+def test_a_fallback_inside_a_loop_keeps_counting_its_passes():
+    """A path first met by falling back in the middle of a user loop (the downsampling point of
+    a residual net drawn per step) records each op with the loop pass that issued it, as a trace
+    recorded from the step's start would: the passes before the fallback were counted by the
+    skipped prefix, not by the new recording. (Counting restarted at the fallback: the blocks
+    after the divergence got passes 0, 1, ..., the locations of the first blocks' ops, and a
+    merge of two such paths split on every block.)"""
+    points = [None, None, None, 3, 3, 3, 1, 1]
+    eager = _blocks_program(tf.GradientTape, points)
+    with CompileCounter() as c:
+        got = _blocks_program(tf.TerraGradientTape, points)
+    assert got[0] == eager[0]
+    for a, b in zip(got[1], eager[1]):
+        np.testing.assert_array_equal(a, b)
+    c.assert_counts(fallbacks=2, new_paths=3)
+    site = next(iter(SESSION.sites.values()))
+    assert len(site.paths) == 3
+    for path in site.paths.values():
+        passes = [[l.iteration for l in r.location.loops if "_blocks@" in l.loop]
+                  for r in path.trace.records if r.op_type == "Tanh"]
+        assert passes == [[k] for k in range(5)], (path, passes)
