@@ -3,7 +3,10 @@
 `merge(graph_or_None, trace)` returns a new TraceGraph (the input is never mutated). The walk keeps
 a pointer to the latest matched node, starting at `start`. Each op is matched, in this order,
 against the children of that node, then (merge-back) against any node of the same level that does
-not reach the pointer (so the graph stays a DAG). A match needs the node's key (type, attrs,
+not reach the pointer (so the graph stays a DAG). Outside folded loops, an op that a diff of the op
+keys aligns with ops of earlier traces (`_alignment`) is matched against their nodes and the
+pointer's children only: keys repeat (a backward pass's ops of one kind share one), and the first
+node of the right key is often another block's. A match needs the node's key (type, attrs,
 location, function) and compatible data flow: an input `OutputRef(j)` becomes the node trace-op
 `j` was matched to, variables compare by key, constants by value, feeds by slot. Where the same
 slot is fed by different producers on different paths the slot becomes a `Phi`. No match: a new
@@ -28,6 +31,7 @@ tells them apart (a `break` after the first pass), not at the loop's start.
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 from terra.ir.records import ConstRef, FeedRef, OutputRef, Trace, VariableRef
@@ -385,8 +389,9 @@ def _freeze(st: _State, lid, num_traces) -> TraceGraph:
 
 # ---------------------------------------------------------------------------------- merging
 class _Merger:
-    def __init__(self, st: _State, trace: Trace, tid: int, bad: set):
+    def __init__(self, st: _State, trace: Trace, tid: int, bad: set, hints=None):
         self.st, self.trace, self.tid, self.bad = st, trace, tid, bad
+        self.hints = hints or {}  # record index -> aligned node ids (see `_alignment`)
         self.first_feed_use = {}
         for r in trace.records:
             for ref in _refs(r.inputs):
@@ -413,7 +418,16 @@ class _Merger:
         key = Node.op_key(rec, ctx.folded)
         srcs = tuple(self.source(a, ctx) for a in rec.inputs)
         chosen = None
-        for group in self.candidates(lv, cur, key):  # children first, then merge-back targets
+        groups = self.candidates(lv, cur, key)  # children first, then merge-back targets
+        if idx in self.hints and not ctx.chain:
+            # aligned with earlier traces: their nodes, a child, or a new node (a folded loop's
+            # body is matched per iteration instead: an iteration the other trace lacks is new
+            # to the diff but not to the body)
+            kids = groups[0]
+            usable = [h for h in self.hints[idx] if st.keys.get(h) == key and h in lv.members and (
+                h in kids or (h != cur and not lv.reaches(h, cur)))]
+            groups = (usable, kids)
+        for group in groups:
             for n in group:
                 fit = self.compat(st.nodes[n], srcs, ctx, idx)
                 if fit and not fit[1]:
@@ -658,6 +672,55 @@ def _check_trace(trace):
             raise ValueError(f"trace {trace.site!r}: record at position {k} has index {r.index}")
 
 
+def _alignment(st: _State, trace: Trace, num_traces: int) -> dict:
+    """Record index -> the nodes its op is aligned with in the earlier traces (most similar
+    trace first; empty for an op no earlier trace has at that point: an inserted op).
+
+    Keys need not be unique: a backward pass calls each gradient function from one TF frame, so
+    all of its ops of one kind share a key and only data flow tells them apart. Without the
+    alignment the walk took the first node of the right key that kept the graph a DAG: past an
+    op that differs (a division by another count, an extra resize's gradient) an op merged into
+    another block's op of its kind, and the ops after it missed their own nodes: two 1347-op
+    paths of a residual CNN made 1600 nodes, 578 of them on one path only (with it: 1328 and
+    34, the ops that do differ).
+    Each alignment is a diff of the op keys against one earlier trace, after their common
+    prefix and suffix."""
+    if num_traces == 0:
+        return {}
+    seqs = {t: {} for t in range(num_traces)}
+    for nid, node in st.nodes.items():
+        if node.op is None:
+            continue
+        for t, idxs in node.seen.items():
+            for i in idxs:
+                seqs[t][i] = nid
+    mine = [Node.op_key(r) for r in trace.records]  # a folded loop's ops match no node: no hint
+    n = len(mine)
+    found = []
+    for t, m in seqs.items():
+        ref = [m[i] for i in sorted(m)]
+        keys = [st.keys[k] for k in ref]
+        pre = 0
+        while pre < min(len(keys), n) and keys[pre] == mine[pre]:
+            pre += 1
+        suf = 0
+        while suf < min(len(keys), n) - pre and keys[-1 - suf] == mine[-1 - suf]:
+            suf += 1
+        pairs = [(i, ref[i]) for i in range(pre)]
+        pairs += [(n - 1 - k, ref[len(ref) - 1 - k]) for k in range(suf)]
+        sm = difflib.SequenceMatcher(None, keys[pre:len(keys) - suf], mine[pre:n - suf],
+                                     autojunk=False)
+        for a, b, size in sm.get_matching_blocks():
+            pairs += [(pre + b + k, ref[pre + a + k]) for k in range(size)]
+        found.append((len(pairs), -t, pairs))
+    hints = {i: [] for i in range(n)}
+    for _, _, pairs in sorted(found, key=lambda f: f[:2], reverse=True):
+        for i, node in pairs:
+            if node not in hints[i]:
+                hints[i].append(node)
+    return hints
+
+
 def merge(graph, trace: Trace) -> TraceGraph:
     """Return a new TraceGraph that embeds `trace` (trace id = `graph.num_traces`)."""
     if graph is None:
@@ -668,7 +731,8 @@ def merge(graph, trace: Trace) -> TraceGraph:
     st = _thaw(graph)
     items = _structure(trace.records, list(range(len(trace.records))), 0, iter(range(1 << 62)))
     bad = _unfoldable(trace, items)
-    m = _Merger(st, trace, graph.num_traces, bad | _hopeless(trace, items, bad))
+    m = _Merger(st, trace, graph.num_traces, bad | _hopeless(trace, items, bad),
+                _alignment(st, trace, graph.num_traces))
     last = m.walk(items, _Ctx(_TOP), st.levels[_TOP].start)
     top = st.levels[_TOP]
     top.add_edge(last, top.end)

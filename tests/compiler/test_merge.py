@@ -546,3 +546,36 @@ def test_long_trace_with_optimizer_loop_merges_fast():
     assert covers(g, t)
     assert time.perf_counter() - t0 < 5.0
     assert g.size()["nodes"] == len(t.records) + 60 - 1 + 1  # 60 folded conversion loops
+
+
+# ------------------------------------------------------------------- aligning repeated code
+def _resized_at(point, blocks=6):
+    """A backward pass of repeated blocks whose ops share one location each (gradient functions
+    called from one TF frame): an extra op at `point`, and a count constant that is smaller past
+    it (the feature map is smaller there)."""
+    ops = []
+    prev = FeedRef(0)
+    for k in range(blocks):
+        if k == point:
+            ops.append(("ResizeGrad", [prev], loc(9)))
+            prev = OutputRef(len(ops) - 1)
+        ops.append(("RealDiv", [prev, ConstRef(4.0 if k >= point else 16.0, "float32")], loc(10)))
+        ops.append(("Mul", [OutputRef(len(ops) - 1), ConstRef(2.0, "float32")], loc(11)))
+        prev = OutputRef(len(ops) - 1)
+    return trace(*ops)
+
+
+@pytest.mark.parametrize("first,second", [(4, 1), (1, 4)])
+def test_an_op_inserted_elsewhere_in_repeated_code_adds_only_the_ops_that_differ(first, second):
+    """Each op merges into the node of the op it aligns with in the earlier trace: the second
+    path adds its extra op and the three divisions whose constants differ, nothing else. (Taking
+    the first node of the right key that keeps the graph a DAG, a division merged into another
+    block's division and two more nodes came in; on a residual CNN's two paths, 578 nodes on one
+    path only against 34.)"""
+    a, b = _resized_at(first), _resized_at(second)
+    g = merge(merge(None, a), b)
+    assert len(a.records) == len(b.records) == 13
+    assert len(list(g.op_nodes)) == 13 + 1 + 3
+    assert covers(g, a) and covers(g, b)
+    shared = [n for n in g.op_nodes if set(n.seen) == {0, 1}]
+    assert sorted(n.op.op_type for n in shared) == ["Mul"] * 6 + ["RealDiv"] * 3
