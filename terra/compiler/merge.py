@@ -672,6 +672,9 @@ def _check_trace(trace):
             raise ValueError(f"trace {trace.site!r}: record at position {k} has index {r.index}")
 
 
+_DIFFED = 3  # earlier traces a new trace is diffed against (see `_alignment`)
+
+
 def _alignment(st: _State, trace: Trace, num_traces: int) -> dict:
     """Record index -> the nodes its op is aligned with in the earlier traces (most similar
     trace first; empty for an op no earlier trace has at that point: an inserted op).
@@ -696,7 +699,7 @@ def _alignment(st: _State, trace: Trace, num_traces: int) -> dict:
                 seqs[t][i] = nid
     mine = [Node.op_key(r) for r in trace.records]  # a folded loop's ops match no node: no hint
     n = len(mine)
-    found = []
+    ends = []
     for t, m in seqs.items():
         ref = [m[i] for i in sorted(m)]
         keys = [st.keys[k] for k in ref]
@@ -706,13 +709,21 @@ def _alignment(st: _State, trace: Trace, num_traces: int) -> dict:
         suf = 0
         while suf < min(len(keys), n) - pre and keys[-1 - suf] == mine[-1 - suf]:
             suf += 1
+        ends.append((pre + suf, -t, ref, keys, pre, suf))
+    # a diff against every earlier trace costs their number squared over a site's builds: the
+    # traces that share the most at both ends are diffed, the others only if nothing is between
+    ends.sort(key=lambda e: e[:2], reverse=True)
+    found = []
+    for rank, (_, t, ref, keys, pre, suf) in enumerate(ends):
+        if rank >= _DIFFED and pre + suf < max(len(keys), n):
+            continue
         pairs = [(i, ref[i]) for i in range(pre)]
         pairs += [(n - 1 - k, ref[len(ref) - 1 - k]) for k in range(suf)]
         sm = difflib.SequenceMatcher(None, keys[pre:len(keys) - suf], mine[pre:n - suf],
                                      autojunk=False)
         for a, b, size in sm.get_matching_blocks():
             pairs += [(pre + b + k, ref[pre + a + k]) for k in range(size)]
-        found.append((len(pairs), -t, pairs))
+        found.append((len(pairs), t, pairs))
     hints = {i: [] for i in range(n)}
     for _, _, pairs in sorted(found, key=lambda f: f[:2], reverse=True):
         for i, node in pairs:

@@ -48,13 +48,18 @@ class Planner:
     """Walks one trace through a lowered graph (see the module docstring); `run()` returns
     the Events."""
 
-    def __init__(self, lowered: Lowered, trace: Trace, merged=None):
-        g = merged if merged is not None else lowered.match(trace)
+    def __init__(self, lowered: Lowered, trace: Trace, merged=None, tid=None):
+        """`tid`: `trace` is the graph's own trace `tid` (its records' nodes are known: no
+        merge); else it is merged in as a new trace (`merged`, if already done)."""
+        if tid is not None:
+            g = lowered.graph
+        else:
+            g = merged if merged is not None else lowered.match(trace)
         if g is None:
             raise ValueError(f"drive: trace {trace.site!r} ({len(trace)} ops) is not covered by "
                              f"the lowered graph")
         self.lw, self.trace = lowered, trace
-        self.tid = lowered.graph.num_traces
+        self.tid = lowered.graph.num_traces if tid is None else tid
         self.node, self.level_of, self.levels = {}, {}, {TOP: g}
         self.rec_node, self.visit_starts = {}, {}
         self._index(TOP, g)
@@ -169,9 +174,10 @@ class Planner:
         return [ev for *_, ev in merged if ev.kind != "record"]
 
 
-def plan(lowered: Lowered, trace: Trace, merged=None) -> list:
+def plan(lowered: Lowered, trace: Trace, merged=None, tid=None) -> list:
     """The Python side of one iteration as a list of Events, in the order Python performs them.
-    `merged`: `lowered.match(trace)` if already computed (saves a merge)."""
-    return Planner(lowered, trace, merged).run()
+    `merged`: `lowered.match(trace)` if already computed (saves a merge); `tid`: `trace` is the
+    lowered graph's trace `tid`."""
+    return Planner(lowered, trace, merged, tid).run()
 
 

@@ -399,7 +399,7 @@ class Builds:
             return
         try:
             with self.internal(), widened(CONFIG.tracing_gc_threshold):
-                sg = SiteGraph(paths)
+                sg = SiteGraph(paths, previous=site.site_graph)
         except Exception as e:  # noqa: BLE001 - the PathGraphs still run every path
             site.site_graph_failed = key
             self.event("graph_build", site, number, f"no site graph for {len(paths)} paths: "

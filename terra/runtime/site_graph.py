@@ -67,8 +67,8 @@ class SitePlan:
     nodes     node id per record (two paths agree on a prefix only if it maps to the same nodes).
     """
 
-    def __init__(self, lowered, trace: Trace, path):
-        p = Planner(lowered, trace)
+    def __init__(self, lowered, trace: Trace, path, tid=None):
+        p = Planner(lowered, trace, tid=tid)  # (`tid`: the lowered graph's own trace `tid`)
         events = [ev for ev in p.run() if ev.kind != "get"]
         self.path = path
         self.n = len(trace.records)
@@ -125,16 +125,28 @@ class SiteGraph:
 
     run_config = staticmethod(_no_remapper)
 
-    def __init__(self, paths, timed: bool = True):
+    def __init__(self, paths, timed: bool = True, previous: "SiteGraph | None" = None):
+        """`previous`: the site's last SiteGraph; when its paths (as they were) are the first of
+        `paths`, its TraceGraph is extended with the new paths' traces instead of merging every
+        trace again."""
         t0 = time.perf_counter()
         self.paths = list(paths)
-        traces = [_with_liveout_fetches(p) for p in self.paths]
-        g = None
-        for t in traces:
+        self.built_for = self.key_of(self.paths)
+        old = previous.built_for if previous is not None else ()
+        if old and self.built_for[:len(old)] == old:
+            traces = previous.traces + [_with_liveout_fetches(p) for p in self.paths[len(old):]]
+            g, start = previous.lowered.graph, len(old)
+        else:
+            traces = [_with_liveout_fetches(p) for p in self.paths]
+            g, start = None, 0
+        for t in traces[start:]:
             g = merge(g, t)
+        self.traces = traces
+        self.merged_traces = len(traces) - start  # (tests: what a rebuild merged)
         self.lowered = lower(g, traces, timed=timed)
         self.concrete = self.lowered.function
-        self.plans = {id(p): SitePlan(self.lowered, t, p) for p, t in zip(self.paths, traces)}
+        self.plans = {id(p): SitePlan(self.lowered, t, p, tid=k)
+                      for k, (p, t) in enumerate(zip(self.paths, traces))}
         variables, seen = [], set()
         for p in self.paths:
             for v in written_variables(p.trace):
@@ -142,7 +154,6 @@ class SiteGraph:
                     seen.add(id(v))
                     variables.append(v)
         self.snapshot = Snapshot.of(variables)
-        self.built_for = self.key_of(self.paths)
         # fetch key -> elements finished iterations left unread (the next reader skips them)
         self.stale = Unread(self.lowered.fetches)
         self.build_seconds = time.perf_counter() - t0

@@ -310,3 +310,28 @@ def test_paths_with_different_feature_map_sizes_in_a_residual_cnn():
     assert terra.stats()["case_switches"] > 0, explain
     assert "graph error" not in explain and "run failed" not in explain, explain
     np.testing.assert_allclose(got, eager, rtol=1e-4)
+
+
+def test_a_rebuild_for_a_new_path_merges_only_its_trace(monkeypatch):
+    """When a site gains a path, its TraceGraph is the last build's extended with the new
+    path's trace (not every trace merged again), and is the graph a full merge gives."""
+    from terra.compiler.merge import merge, shape_key
+    from terra.runtime import site_graph as site_graph_mod
+    builds = []
+    init = site_graph_mod.SiteGraph.__init__
+
+    def recording(self, paths, timed=True, previous=None):
+        init(self, paths, timed, previous)
+        builds.append((len(paths), self.merged_traces, self))
+
+    monkeypatch.setattr(site_graph_mod.SiteGraph, "__init__", recording)
+    eager = random_branch(tf.GradientTape)
+    got = random_branch(tf.TerraGradientTape)
+    terra.end_iteration()
+    _assert_same(got, eager, "random_branch")
+    assert [(n, k) for n, k, _ in builds] == [(2, 2), (3, 1)], terra.explain()
+    last = builds[-1][2]
+    full = None
+    for t in last.traces:
+        full = merge(full, t)
+    assert shape_key(full) == shape_key(last.lowered.graph)
