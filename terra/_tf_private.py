@@ -254,6 +254,15 @@ def new_tensor_uid():
     return _ops.uid()
 
 
+def trace_once(fn, name: str = "terra_graph"):
+    """The ConcreteFunction of `fn` (no arguments), from one trace: the first
+    `tf.function(fn).get_concrete_function()` traced a lowered site graph twice (the second
+    trace's cache lookup saw the captures the first had made), the whole lowering's cost again."""
+    from tensorflow.python.eager.polymorphic_function import tracing_compilation as _tc
+    return _tc.trace_function((), {}, _tc.TracingOptions(python_function=fn, name=name,
+                                                         autograph=False))
+
+
 def concrete_function_of(fn, args):
     """The ConcreteFunction behind a tf.function (traced for `args`) or the function itself."""
     get = getattr(fn, "get_concrete_function", None)

@@ -199,3 +199,22 @@ def test_stateless_v2_draws_what_the_stateful_kernel_draws():
     assert "gen_random_ops.random_uniform_int(" in inspect.getsource(random_ops.random_uniform)
     assert random_streams.installed()  # (importing terra installs it)
     assert set(tfp.KERNEL_CACHE_RESETS) <= set(vars(tfp.ContextClass))
+
+
+def test_trace_once_traces_once_and_orders_what_it_captures():
+    """`trace_once` (tracing_compilation.trace_function): one trace, with automatic control
+    dependencies, capturing variables and eager constants made outside."""
+    v = tf.Variable(2.0)
+    outside = tf.constant(3.0)
+    calls = []
+
+    def build():
+        calls.append(1)
+        v.assign_add(1.0)
+        return outside * v.read_value()
+
+    fn = tfp.trace_once(build)
+    assert len(calls) == 1
+    assert type(fn).__name__ == "ConcreteFunction"
+    assert float(fn()) == 9.0 and float(v.numpy()) == 3.0
+    assert float(fn()) == 12.0 and len(calls) == 1

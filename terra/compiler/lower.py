@@ -38,6 +38,7 @@ The function returns nothing: everything Python reads goes through `fetches`.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 import tensorflow as tf
 
@@ -237,6 +238,7 @@ class _Analysis:
     def _plan(self, lid, g) -> LevelPlan:
         scs = assign_cases(g)
         of, ended, has_op, default = {}, (g.start, g.end) in g.edges, [], []
+        to_end = {a for a, b in g.edges if b == g.end}
         for k, sc in enumerate(scs):
             nonempty = any(c.block for c in sc.cases)
             has_op.append(nonempty and (len(sc.cases) > 1 or ended))
@@ -244,7 +246,7 @@ class _Analysis:
             for c in sc.cases:
                 for n in c.block:
                     of[n] = k
-                    ended = ended or g.end in g.successors(n)
+                    ended = ended or n in to_end
         return LevelPlan(lid, scs, tuple(has_op), tuple(default), of)
 
     def _vars(self, lid) -> list:
@@ -384,14 +386,25 @@ class _Scope:
         return default
 
 
+_DUMMIES = weakref.WeakKeyDictionary()  # graph -> {(dtype, dims): tensor}
+
+
 def _dummy(dtype, shape):
+    """A zero value standing in for one a branch does not produce: one per graph, dtype and
+    shape (a one-path site graph of a residual CNN asked for 936, and each `tf.zeros` cost
+    more than the op it stands in for), made outside any control dependencies so that every
+    user can share it."""
     if dtype in ("variant", "resource"):
         raise ValueError(f"lower: cannot make a placeholder value of dtype {dtype} for a "
                          f"branch that does not produce it")
-    dims = [] if shape is None else [0 if d is None else d for d in shape]
-    if dtype == "string":
-        return tf.fill(dims, "")
-    return tf.zeros(dims, dtype)
+    dims = () if shape is None else tuple(0 if d is None else d for d in shape)
+    cache = _DUMMIES.setdefault(tf.compat.v1.get_default_graph(), {})
+    t = cache.get((dtype, dims))
+    if t is None:
+        with tf.control_dependencies(None):
+            t = tf.fill(dims, "") if dtype == "string" else tf.zeros(dims, dtype)
+        cache[(dtype, dims)] = t
+    return t
 
 
 def _stateful(op) -> bool:
@@ -604,8 +617,6 @@ class _Lowering:
                 t = self.builder.value(src, dtype)
             init.append(tf.convert_to_tensor(t))
         self._record_points(lid, points)
-        with tf.control_dependencies(scope.chain.control()):
-            counter = tf.zeros([], tf.int32)
         trips = n.loop.seen_trip_counts
         if self.unroll and len(trips) == 1:
             (t_count,) = trips
@@ -615,6 +626,8 @@ class _Lowering:
                 vals = self.iteration(lid, vals, _Scope(scope, new_graph=False))
             final = vals
         else:
+            with tf.control_dependencies(scope.chain.control()):
+                counter = tf.zeros([], tf.int32)
             final = self.while_loop(lid, vars_, init, counter, scope)
         return [final[self._var_index(vars_, o)] for o in n.loop.outputs]
 
@@ -697,7 +710,7 @@ def lower(graph: TraceGraph, traces, *, unroll: bool = True, timed: bool = True)
         lw.level(TOP, _Scope())
 
     with tfp.without_op_tracebacks():
-        concrete = tf.function(build, autograph=False).get_concrete_function()
+        concrete = tfp.trace_once(build)
     stats = _count_ops(concrete)
     stats.update(nodes=graph.size()["nodes"],
                  switch_cases=sum(len(p.switch_cases) for p in an.plans.values()))

@@ -504,3 +504,54 @@ def test_a_fallback_inside_a_loop_keeps_counting_its_passes():
         passes = [[l.iteration for l in r.location.loops if "_blocks@" in l.loop]
                   for r in path.trace.records if r.op_type == "Tanh"]
         assert passes == [[k] for k in range(5)], (path, passes)
+
+
+class _PointNet(keras.Model):
+    """A Keras model whose own `call` loops over its blocks (below Keras's `__call__` frames,
+    which wait at the same offsets before and after a fallback)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = [keras.layers.Dense(3, activation="tanh") for _ in range(4)]
+        self.point = None
+
+    def call(self, x):
+        for k, block in enumerate(self.blocks):
+            if k == self.point:
+                x = x * 0.5
+            x = block(x)
+        return x
+
+
+def _point_net_program(Tape, points):
+    keras.utils.set_random_seed(5)
+    model = _PointNet()
+    x = tf.constant([[1.0, -2.0, 0.5]])
+    model(x)
+    opt = keras.optimizers.SGD(0.1)
+    losses = []
+    for point in points:
+        model.point = point
+        with Tape() as tape:
+            loss = tf.reduce_sum(model(x))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+        losses.append(float(loss))
+    terra.end_iteration()
+    return losses, [v.numpy() for v in model.variables]
+
+
+def test_a_fallback_inside_a_keras_models_loop_keeps_counting_its_passes():
+    points = [None, None, None, 2, 2, 2]
+    eager = _point_net_program(tf.GradientTape, points)
+    with CompileCounter() as c:
+        got = _point_net_program(tf.TerraGradientTape, points)
+    assert got[0] == eager[0]
+    for a, b in zip(got[1], eager[1]):
+        np.testing.assert_array_equal(a, b)
+    c.assert_counts(fallbacks=1, new_paths=3)  # (the first step's makes the optimizer's state)
+    site = next(iter(SESSION.sites.values()))
+    for path in site.paths.values():
+        passes = [[l.iteration for l in r.location.loops if "_PointNet.call@" in l.loop]
+                  for r in path.trace.records if r.op_type == "Tanh"]
+        assert passes == [[k] for k in range(4)], (path, passes)
