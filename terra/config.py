@@ -65,9 +65,9 @@ class Config:
     api_units: match a program's call of a composite TF function (`tfp.API_UNIT_FUNCTIONS`:
         the cross-entropies of `tf.nn`, ten ops of TF Python around each kernel; and
         `API_UNIT_METHODS`: tensor indexing) as one guarded unit, as a tf.function call is.
-    background_builds: build a path's graph on a builder thread while the program goes on
-      (its iterations run as before it was compiled until the graph is installed, at the next
-      iteration boundary). Off by default: graph construction is Python and holds the GIL, so
+    background_builds: build a path's graph (and a site graph) on a builder thread while the
+      program goes on (its iterations run as before it was compiled until the graph is
+      installed, at the next iteration boundary). Off by default: graph construction is Python and holds the GIL, so
       on the 2-core machine measured the builder slowed the program's thread more than it
       saved (docs/usage.md, "Background builds").
     tiered_instantiation: a new graph's first runs skip Grappler (its instantiation is then
@@ -78,7 +78,7 @@ class Config:
     site_graph: a site with two or more compiled paths runs one lowered graph for all of them
       (switch_case / while_loop): a branch Python takes is a Case-Select put, not a restart.
       Off by default (docs/usage.md, "Branches: the site graph": slower where measured, and
-      rebuilt whole for every new path).
+      re-lowered whole for every new path).
     shape_groups: paths that differ only in shapes (another batch size or sequence length) and
       in constants made from them share one graph whose differing dimensions are unknown and
       which computes those constants from the shapes it holds where the members show how: a

@@ -1,7 +1,7 @@
 """Graph builds off the critical path (setting `background_builds`).
 
-A path's graph (lowering, tracing its concrete function) is built on one builder thread while
-the program goes on; the session installs a finished build at the next iteration boundary
+A path's graph (lowering, tracing its concrete function), or a site's one graph over its paths
+(`site_graph`), is built on one builder thread while the program goes on; the session installs a finished build at the next iteration boundary
 (`Builds.install_finished`, builds.py), so no iteration sees a graph appear under it. Until then the path's
 iterations run as they would have before it was compiled: traced eagerly, or falling back from
 another path's graph.
@@ -60,6 +60,7 @@ class Job:
     future: Future
     submitted: float = field(default_factory=time.perf_counter)
     seconds: float = 0.0        # the build's own time on the builder thread
+    key: tuple = ()             # a site graph's job (path None): what it was built for
 
     def merge_into(self, path) -> None:
         """The fetch points the build added (reads of shapes the graph does not know)."""
@@ -80,7 +81,7 @@ class Builder:
         """Build `build(inputs)` for `path` on the builder thread."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="terra-builder")
-        inputs = BuildInputs(path)
+        inputs = BuildInputs(path) if path is not None else None
         job = Job(site, path, inputs, number, Future())
         young = CONFIG.tracing_gc_threshold
 
@@ -96,8 +97,18 @@ class Builder:
         self.jobs.append(job)
         return job
 
+    def submit_site(self, site, number, key, build: Callable) -> Job:
+        """Build `build()` (a site's SiteGraph, over traces copied at submission) on the
+        builder thread; `key` is what it was built for (`SiteGraph.key_of`)."""
+        job = self.submit(site, None, number, lambda _inputs: build())
+        job.key = key
+        return job
+
     def building(self, path) -> bool:
         return any(j.path is path for j in self.jobs)
+
+    def building_site_graph(self, site) -> bool:
+        return any(j.path is None and j.site is site for j in self.jobs)
 
     def sites_building(self) -> set:
         return {id(j.site) for j in self.jobs}

@@ -22,7 +22,7 @@ from terra.runtime.path_graph import PathGraph, skip_fetch_points
 from terra.runtime.path_view import PathView
 from terra.runtime.shape_groups import (Relaxed, ShapeGroup, covers_open, derive,
                                         member_values, relax, rules_hold, speculate)
-from terra.runtime.site_graph import SiteGraph
+from terra.runtime.site_graph import SiteGraph, site_trace
 from terra.runtime.sites import (Path, reads_feed_values, renamed_path,
                                  variable_renaming)
 
@@ -334,6 +334,9 @@ class Builds:
             site, path = job.site, job.path
             if self.sites.get(site.key) is not site or site.eager_reason is not None:
                 continue  # the session was reset, or the site has given up meanwhile
+            if path is None:
+                self._install_site_graph(site, job)
+                continue
             error = job.future.exception()
             if error is not None:  # a build that fails is Terra's gap: the site runs eagerly
                 self.go_eager(site, job.number, f"building the graph of path p{path.id} "
@@ -397,17 +400,46 @@ class Builds:
                        "skips a unit only after checking a shape its graph does not know "
                        "(a gate the site graph lacks); paths switch by restarting")
             return
+        if CONFIG.background_builds:
+            if not self.builder.building_site_graph(site):  # (else looked at again when done)
+                traces = [site_trace(p) for p in paths]  # what the paths are now
+                previous = site.site_graph
+                self.builder.submit_site(site, number, key, lambda: SiteGraph(
+                    paths, previous=previous, traces=traces, key=key))
+            return
         try:
             with self.internal(), widened(CONFIG.tracing_gc_threshold):
                 sg = SiteGraph(paths, previous=site.site_graph)
         except Exception as e:  # noqa: BLE001 - the PathGraphs still run every path
-            site.site_graph_failed = key
-            self.event("graph_build", site, number, f"no site graph for {len(paths)} paths: "
-                       f"{type(e).__name__}: {str(e)[:200]}; paths switch by restarting")
+            self._no_site_graph(site, number, key, len(paths), e)
             return
+        self._use_site_graph(site, number, sg)
+
+    def _no_site_graph(self, site, number, key, n, error) -> None:
+        site.site_graph_failed = key
+        self.event("graph_build", site, number, f"no site graph for {n} paths: "
+                   f"{type(error).__name__}: {str(error)[:200]}; paths switch by restarting")
+
+    def _use_site_graph(self, site, number, sg, where="") -> None:
         site.site_graph = sg
         self._built(sg, site)
         self.counters.graph_builds += 1
         self.event("graph_build", site, number, f"site graph (switch_case / while_loop) for "
-                   f"{sg.describe()}, {sg.build_seconds:.2f} s; branches switch without a "
-                   f"restart")
+                   f"{sg.describe()}, {sg.build_seconds:.2f} s{where}; branches switch "
+                   f"without a restart")
+
+    def _install_site_graph(self, site, job) -> None:
+        """A site graph built on the builder thread: in use from the next iteration if the
+        site's paths are still those it was built for; else the current ones are built."""
+        error = job.future.exception()
+        if error is not None:
+            self._no_site_graph(site, job.number, job.key, len(job.key), error)
+            return
+        sg = job.future.result()
+        paths = [p for p in site.paths.values() if p.graph is not None and not p.stale and
+                 p.view is not None]
+        if SiteGraph.key_of(paths) == job.key:
+            self._use_site_graph(site, job.number, sg, f" on the builder thread, in use from "
+                                 f"iteration {self.counters.iterations + 1}")
+        else:  # a path changed meanwhile: build for what the site has now
+            self.site_graph(site, self.counters.iterations)

@@ -37,11 +37,12 @@ from terra.runtime.executable import Executable, PathRun
 from terra.runtime.fallback import Snapshot, written_variables
 from terra.runtime.placeholders import Placeholder
 
-__all__ = ["SiteGraph", "SitePlan", "SiteRun"]
+__all__ = ["SiteGraph", "SitePlan", "SiteRun", "site_trace"]
 
 
-def _with_liveout_fetches(path) -> Trace:
-    """The path's trace with its fetch points and live-outs as `Fetch` entries."""
+def site_trace(path) -> Trace:
+    """The path's trace with its fetch points and live-outs as `Fetch` entries (what the site
+    graph is lowered from; taken on the program's thread for a build on the builder's)."""
     t = path.trace
     n = len(t.records)
     fetches = {}
@@ -125,20 +126,23 @@ class SiteGraph:
 
     run_config = staticmethod(_no_remapper)
 
-    def __init__(self, paths, timed: bool = True, previous: "SiteGraph | None" = None):
+    def __init__(self, paths, timed: bool = True, previous: "SiteGraph | None" = None,
+                 traces=None, key=None):
         """`previous`: the site's last SiteGraph; when its paths (as they were) are the first of
         `paths`, its TraceGraph is extended with the new paths' traces instead of merging every
-        trace again."""
+        trace again. `traces` and `key`: `site_trace` of each path and `key_of(paths)`, if
+        taken already (a build on the builder thread takes them when it is submitted)."""
         t0 = time.perf_counter()
         self.paths = list(paths)
-        self.built_for = self.key_of(self.paths)
+        self.built_for = key if key is not None else self.key_of(self.paths)
+        if traces is None:
+            traces = [site_trace(p) for p in self.paths]
         old = previous.built_for if previous is not None else ()
         if old and self.built_for[:len(old)] == old:
-            traces = previous.traces + [_with_liveout_fetches(p) for p in self.paths[len(old):]]
+            traces = previous.traces + list(traces[len(old):])
             g, start = previous.lowered.graph, len(old)
         else:
-            traces = [_with_liveout_fetches(p) for p in self.paths]
-            g, start = None, 0
+            traces, g, start = list(traces), None, 0
         for t in traces[start:]:
             g = merge(g, t)
         self.traces = traces

@@ -335,3 +335,26 @@ def test_a_rebuild_for_a_new_path_merges_only_its_trace(monkeypatch):
     for t in last.traces:
         full = merge(full, t)
     assert shape_key(full) == shape_key(last.lowered.graph)
+
+
+def test_with_background_builds_the_site_graph_is_built_on_the_builder_thread():
+    """With `background_builds` the site graph is built off the program's thread too, and put in
+    place at an iteration boundary; the program equals eager whichever graphs it ran on."""
+    eager = random_branch(tf.GradientTape)
+    old = terra.config(background_builds=True)
+    try:
+        got = random_branch(tf.TerraGradientTape)
+        terra.end_iteration()
+        for _ in range(4):  # a finished path build submits the site graph's
+            assert terra.wait_builds(timeout=600)
+    finally:
+        terra.config(**old)
+    _assert_same(got, eager, "random_branch with background builds")
+    log = terra.explain()
+    (site,) = SESSION.sites.values()
+    compiled = [p for p in site.paths.values() if p.graph is not None and not p.stale]
+    assert site.site_graph is not None and len(compiled) >= 2
+    assert [id(p) for p in site.site_graph.paths] == [id(p) for p in compiled], log
+    assert f"site graph (switch_case / while_loop) for {len(compiled)} paths" in log, log
+    assert "on the builder thread, in use from iteration" in log, log
+    assert "no site graph" not in log, log
