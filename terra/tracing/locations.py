@@ -379,7 +379,10 @@ class Locator:
                 sys.settrace(_global_trace)
                 self.tracking = True
         if resume is not None:
-            self._resume(root, resume)
+            try:
+                self._resume(root, resume)
+            except Exception:  # noqa: BLE001 - counting from 0 is what a fallback did before
+                self._library = {}
 
     def _resume(self, root, resume) -> None:
         """Continue the loop passes of the frames that issued the op at `resume` and are still
