@@ -1,4 +1,4 @@
-"""Commit-gated writes: a path graph whose variable writes wait for Python's word.
+"""Commit-gated writes: a path or site graph whose variable writes wait for Python's word.
 
 A fallback must find the variables as they were when its iteration began. Without this pass the
 runtime snapshots every variable a run may write before the run starts: one graph call per run,
@@ -19,6 +19,11 @@ first, and only for that iteration.
 A graph is not gated (`gate_writes` returns None; the runtime snapshots as before) when an op
 that can fail depends on a write: it could not both wait for the commit and precede it.
 
+A site graph's `switch_case` and `while_loop` ops hold recorded ops in their branch and body
+functions: each counts as one op that writes if an op inside writes and that can fail if one
+inside can (`summarize`, given to `gate_writes` as `inner`); such an op that does both is a
+failing op after a write, so that graph is not gated.
+
 "Can fail" is decided per op, conservatively: `INFALLIBLE` op types with fully defined output
 shapes (so every shape check passed when the graph was built), index-like inputs known when the
 graph is built, and, for ops that fail on integer division by zero, a float type. Everything
@@ -33,7 +38,7 @@ import tensorflow as tf
 from terra import _tf_private as tfp
 from terra.compiler.names import op_index_of
 
-__all__ = ["INFALLIBLE", "gate_writes", "fallible"]
+__all__ = ["INFALLIBLE", "gate_writes", "fallible", "record_types", "summarize"]
 
 # Ops that read a resource without changing it (every other op with a resource input writes).
 READ_ONLY_RESOURCE_OPS = frozenset({"ReadVariableOp", "VariableShape", "VarIsInitializedOp",
@@ -91,11 +96,14 @@ _INTEGER_DIVISION = frozenset({"Div", "FloorDiv", "FloorMod", "Mod", "TruncateDi
                                "TruncateMod", "Pow"})
 
 
-def fallible(op) -> bool:
-    """Whether `op` may raise at run time (see the module docstring)."""
+def fallible(op, shapes_known: bool = False) -> bool:
+    """Whether `op` may raise at run time (see the module docstring). `shapes_known`: every
+    value has the shape it was recorded with whenever the op runs (a site graph whose paths'
+    own graphs infer every shape: its shapes are only relaxed where paths differ), so an
+    output shape the graph leaves unknown says nothing of a failure."""
     if op.type not in INFALLIBLE:
         return True
-    if any(not t.shape.is_fully_defined() for t in op.outputs):
+    if not shapes_known and any(not t.shape.is_fully_defined() for t in op.outputs):
         return True
     for i in _STATIC_INPUTS.get(op.type, ()):
         if tf.get_static_value(op.inputs[i]) is None:
@@ -105,24 +113,64 @@ def fallible(op) -> bool:
     return False
 
 
-def _recorded(op, records) -> bool:
-    """Whether `op` is a recorded op (not one lowering added: a channel's, an explicit read)."""
+def record_types(records):
+    """`op_type_of` for `gate_writes`: index -> op type of `records` (a list by record index or
+    a dict by TraceGraph node id); None where a record calls a function (its writes and its
+    failures are inside the call: such a graph is not gated)."""
+    items = records.values() if isinstance(records, dict) else records
+    if any(r.route == "function" for r in items):
+        return None
+    if isinstance(records, dict):
+        types = {i: r.op_type for i, r in records.items()}
+        return types.get
+    n = len(records)
+    return lambda i: records[i].op_type if i < n else None
+
+
+def _recorded(op, op_type_of) -> bool:
+    """Whether `op` is a recorded op (not one lowering added: a channel's, an explicit read):
+    `op_type_of(index)` is the op type recorded under the index its name carries."""
     index = op_index_of(op.name)
-    return index is not None and index < len(records) and records[index].op_type == op.type
+    return index is not None and op_type_of(index) == op.type
+
+
+def _kind(op, op_type_of, inner, shapes_known):
+    """(writes, can fail) of one op: a recorded op's own, a control-flow op's `inner` summary."""
+    summary = inner.get(op) if inner else None
+    if summary is not None:
+        return summary
+    if not _recorded(op, op_type_of):
+        return False, False
+    write = op.type not in READ_ONLY_RESOURCE_OPS and \
+        any(t.dtype == tf.resource for t in op.inputs)
+    return write, fallible(op, shapes_known)
+
+
+def summarize(ops, op_type_of, inner=None, shapes_known: bool = False) -> tuple:
+    """(writes, can fail) of a branch or loop body whose ops are `ops`: whether any op in it
+    writes a resource, whether any can fail (`inner`: the summaries of control-flow ops
+    nested in it; `shapes_known` as for `fallible`)."""
+    writes = fails = False
+    for op in ops:
+        w, f = _kind(op, op_type_of, inner, shapes_known)
+        writes, fails = writes or w, fails or f
+        if writes and fails:
+            break
+    return writes, fails
 
 
 _stateful: dict = {}  # op type -> whether its OpDef is stateful
 
 
-def gate_writes(ops, records, make_gate):
+def gate_writes(ops, op_type_of, make_gate, inner=None, shapes_known: bool = False):
     """Make every write among `ops` (a function graph's ops in creation order, while it is
     traced) wait for a commit op over `make_gate()` (a dequeue of the commit channel) and every
-    fallible op of the recorded ones. Returns the set of ops that depend on a write (Python's
-    read of one commits early), or None where the graph cannot be gated; then nothing is
-    changed. Ops lowering added itself (channels, explicit reads) are not the recorded ops and
-    never fail on data."""
-    if any(r.route == "function" for r in records):
-        return None  # a function call's writes are inside it, its failures too
+    fallible op of the recorded ones. `op_type_of(index)`: the op type recorded under an op
+    name's index (None: no such record); `inner`: {control-flow op: (writes, can fail)} of the
+    ones whose functions hold recorded ops (`summarize`); `shapes_known` as for `fallible`. Returns the set of ops that depend
+    on a write (Python's read of one commits early), or None where the graph cannot be gated;
+    then nothing is changed. Ops lowering added itself (channels, explicit reads) are not the
+    recorded ops and never fail on data (`record_types` rules out function calls)."""
     writes, failing, tainted = [], [], set()
     tainted_resources: set = set()
     unordered_tainted = False  # the chain of stateful ops without resource inputs
@@ -130,8 +178,13 @@ def gate_writes(ops, records, make_gate):
         inputs = op.inputs  # (each read of `inputs` and `op_def` asks the C API anew)
         op_type = op.type
         resources = [t for t in inputs if t.dtype == tf.resource]
-        recorded = _recorded(op, records)
-        write = recorded and bool(resources) and op_type not in READ_ONLY_RESOURCE_OPS
+        summary = inner.get(op) if inner else None
+        if summary is not None:
+            write, can_fail = summary
+        else:
+            recorded = _recorded(op, op_type_of)
+            write = recorded and bool(resources) and op_type not in READ_ONLY_RESOURCE_OPS
+            can_fail = recorded and fallible(op, shapes_known)
         hit = write or any(t.op in tainted for t in inputs) or \
             any(c in tainted for c in op.control_inputs) or \
             any(t.ref() in tainted_resources for t in resources)
@@ -141,7 +194,7 @@ def gate_writes(ops, records, make_gate):
             stateful = _stateful[op_type] = op_def is not None and op_def.is_stateful
         if stateful and not resources and unordered_tainted:
             hit = True
-        if recorded and fallible(op):
+        if can_fail:
             if hit:
                 return None  # a failing op after a write: it cannot precede the commit
             failing.append(op)

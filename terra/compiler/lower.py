@@ -34,6 +34,11 @@ Construct by construct (docs/lowering.md has the details and an example):
   (their resource inputs).
 
 The function returns nothing: everything Python reads goes through `fetches`.
+
+With `commit=True` the writes wait for a token on `commit_channel`, as a path graph's do
+(terra/compiler/commit.py): a `switch_case` or `while_loop` counts as one op that writes or can
+fail as the ops in its functions do. `commit_dependent` names the fetches whose elements wait
+for the commit (their value depends on a write, or they are enqueued inside such an op).
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ from dataclasses import dataclass, field
 import tensorflow as tf
 
 from terra import _tf_private as tfp
+from terra.compiler import commit as _commit
 from terra.compiler import replay as _replay
 from terra.compiler.case_assignment import assign_cases
 from terra.compiler.interpret import input_dtypes
@@ -103,6 +109,9 @@ class Lowered:
     unrolled      loop node -> trip count, for loops emitted unrolled (no Loop-Cond).
     fetches       (node, output index) -> FetchChannel (Output-Fetching; one element per visit).
     levels        level id -> LevelPlan.
+    commit_channel  FeedChannel(bool) whose token lets a run write (None: not gated; the
+                  runtime snapshots the variables before each run).
+    commit_dependent  fetch keys whose elements wait for the commit.
     """
     graph: TraceGraph
     function: object
@@ -115,10 +124,13 @@ class Lowered:
     levels: dict
     build_seconds: float
     stats: dict = field(default_factory=dict)
+    commit_channel: object = None
+    commit_dependent: frozenset = frozenset()
 
     def channels(self) -> list:
         return (list(self.feeds.values()) + list(self.case_selects.values())
-                + list(self.loop_conds.values()) + list(self.fetches.values()))
+                + list(self.loop_conds.values()) + list(self.fetches.values())
+                + ([self.commit_channel] if self.commit_channel is not None else []))
 
     def feed_channels(self) -> list:
         return (list(self.feeds.values()) + list(self.case_selects.values())
@@ -450,9 +462,27 @@ class _Ready:
 
 
 # --------------------------------------------------------------------------------- the lowering
+def _control_flow_op(t):
+    """The `Case` / `While` op behind an output of `tf.switch_case` / `tf.while_loop` (which
+    wrap its outputs in identities)."""
+    op = t.op
+    while op.type == "Identity":
+        op = op.inputs[0].op
+    return op
+
+
 class _Lowering:
-    def __init__(self, an: _Analysis, unroll: bool, timed: bool):
+    def __init__(self, an: _Analysis, unroll: bool, timed: bool, commit: bool = False,
+                 shapes_known: bool = False):
         self.an, self.unroll, self.timed = an, unroll, timed
+        self.shapes_known = shapes_known
+        # commit gating (compiler/commit.py): the op type of each node, None where not gated
+        self.op_types = _commit.record_types(
+            {nid: n.op for nid, n in an.node.items() if n.kind != LOOP}) if commit else None
+        self.inner = {}         # Case / While op -> (writes, can fail) of the ops inside it
+        self.members = None     # fetch keys enqueued inside the top-level op being emitted
+        self.contains = {}      # top-level Case / While op -> fetch keys enqueued inside it
+        self.top_fetches = {}   # fetch key -> its enqueue ops at the top level
         variables, functions = {}, {}
         for t in an.traces:
             variables.update(t.variables)
@@ -505,6 +535,8 @@ class _Lowering:
             tf.int32, [], name=f"case_select_{lid}_{k}", timed=self.timed))
         select = self._dequeue(scope, ch)
 
+        summaries, top = [], self._enter()
+
         def branch(block):
             def fn():
                 inner = _Scope(scope, new_graph=True)
@@ -513,11 +545,13 @@ class _Lowering:
                 outs = [inner.get(key) for key in keys]
                 outs = [o if o is not None else _dummy(*an.key_spec(key))
                         for o, key in zip(outs, keys)]
+                self._summarize(summaries)
                 return [_token(inner.chain)] + outs
             return fn
         fns = [branch(c.block) for c in sc.cases] + ([branch(())] if default else [])
         res = tf.switch_case(select, fns, name=f"terra_switch_{lid}_{k}")
         res = list(res) if isinstance(res, (list, tuple)) else [res]
+        self._leave(top, _control_flow_op(res[0]), summaries)
         for key, t in zip(keys, res[1:]):
             scope.env[key] = t
         scope.chain.after(res[0].op)
@@ -537,7 +571,49 @@ class _Lowering:
             shape = tf.TensorShape(shape).most_specific_compatible_shape(outs[i].shape)
             ch = self._channel(self.fetches, (n.id, i), lambda: FetchChannel(
                 dtype, shape, name=f"fetch_{n.id}_{i}"))
-            scope.chain.fetched(ch.enqueue_op(outs[i]))
+            op = ch.enqueue_op(outs[i])
+            scope.chain.fetched(op)
+            if self.members is not None:
+                self.members.add((n.id, i))
+            else:
+                self.top_fetches.setdefault((n.id, i), []).append(op)
+
+    # ---- commit gating (what each control-flow op holds)
+    def _enter(self) -> bool:
+        """A control-flow op's emission begins; True if it is a top-level one."""
+        if self.op_types is None or self.members is not None:
+            return False
+        self.members = set()
+        return True
+
+    def _summarize(self, summaries) -> None:
+        """At the end of a branch or loop body: what its graph's ops do."""
+        if self.op_types is not None:
+            summaries.append(_commit.summarize(
+                tf.compat.v1.get_default_graph().get_operations(), self.op_types, self.inner,
+                self.shapes_known))
+
+    def _leave(self, top: bool, op, summaries) -> None:
+        if self.op_types is None:
+            return
+        self.inner[op] = (any(w for w, _ in summaries), any(f for _, f in summaries))
+        if top:
+            self.contains[op], self.members = self.members, None
+
+    def gate(self, channel):
+        """Gate the top-level graph's writes on `channel` (compiler/commit.py); the fetch keys
+        whose elements then wait for the commit, or None where the graph cannot be gated."""
+        tainted = _commit.gate_writes(tf.compat.v1.get_default_graph().get_operations(),
+                                      self.op_types, channel.dequeue_op, self.inner,
+                                      self.shapes_known)
+        if tainted is None:
+            return None
+        dependent = {key for key, ops in self.top_fetches.items()
+                     if any(op in tainted for op in ops)}
+        for op, keys in self.contains.items():
+            if op in tainted:
+                dependent |= keys
+        return frozenset(dependent)
 
     def _record_points(self, nid, points):
         prev = self._emitted_points.get(nid)
@@ -656,9 +732,12 @@ class _Lowering:
         def cond(c, *vals):
             return ch.dequeue_op(control_inputs=[c.op])
 
+        summaries, top = [], self._enter()
+
         def body(c, *vals):
             inner = _Scope(scope, new_graph=True)
             new = self.iteration(lid, list(vals), inner)
+            self._summarize(summaries)
             with tf.control_dependencies([_token(inner.chain)]):
                 return [c + 1] + new
 
@@ -669,6 +748,7 @@ class _Lowering:
             invariants.append(s.most_specific_compatible_shape(t.shape))
         res = tf.while_loop(cond, body, [counter] + list(init), shape_invariants=invariants,
                             parallel_iterations=1, name=f"terra_while_{lid}")
+        self._leave(top, _control_flow_op(res[0]), summaries)
         scope.chain.after(res[0].op)
         return list(res[1:])
 
@@ -690,10 +770,14 @@ def _count_ops(concrete) -> dict:
             "functions": len(gd.library.function)}
 
 
-def lower(graph: TraceGraph, traces, *, unroll: bool = True, timed: bool = True) -> Lowered:
+def lower(graph: TraceGraph, traces, *, unroll: bool = True, timed: bool = True,
+          commit: bool = False, shapes_known: bool = False) -> Lowered:
     """Build the TF graph for `graph`. `traces[t]` must be the trace merged as trace id `t` (for
     variables, called functions and feed shapes). `unroll`: unroll loops whose recorded trip
-    counts are all equal. `timed`: feed channels measure graph stall (see compiler/channels.py)."""
+    counts are all equal. `timed`: feed channels measure graph stall (see compiler/channels.py).
+    `commit`: gate the writes on a commit channel where the graph allows it (module docstring);
+    `shapes_known`: every value has its recorded shape on each path (the paths' own graphs
+    infer every shape), so shapes relaxed across paths do not make an op count as fallible."""
     if not isinstance(graph, TraceGraph):
         raise TypeError(f"lower expects a TraceGraph, got {type(graph).__name__}")
     traces = list(traces)
@@ -704,15 +788,22 @@ def lower(graph: TraceGraph, traces, *, unroll: bool = True, timed: bool = True)
         raise ValueError("lower: the TraceGraph has no traces")
     t0 = time.perf_counter()
     an = _Analysis(graph, traces)
-    lw = _Lowering(an, unroll, timed)
+    lw = _Lowering(an, unroll, timed, commit, shapes_known)
+    gated = {}
+    channel = FeedChannel(tf.bool, [], name="terra_commit", timed=False) \
+        if lw.op_types is not None else None
 
     def build():
         lw.level(TOP, _Scope())
+        if channel is not None:
+            gated["dependent"] = lw.gate(channel)
 
     with tfp.without_op_tracebacks():
         concrete = tfp.trace_once(build)
     stats = _count_ops(concrete)
     stats.update(nodes=graph.size()["nodes"],
                  switch_cases=sum(len(p.switch_cases) for p in an.plans.values()))
+    dependent = gated.get("dependent")
     return Lowered(graph, concrete, lw.feeds, lw.feed_points, lw.case_selects, lw.loop_conds,
-                   lw.unrolled, lw.fetches, an.plans, time.perf_counter() - t0, stats)
+                   lw.unrolled, lw.fetches, an.plans, time.perf_counter() - t0, stats,
+                   channel if dependent is not None else None, dependent or frozenset())

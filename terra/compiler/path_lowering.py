@@ -102,8 +102,10 @@ class LoweredPath:
 
     def _gate_writes(self, env) -> None:
         """Writes wait for Python's commit (compiler/commit.py), where the graph allows it."""
-        tainted = commit.gate_writes(tf.compat.v1.get_default_graph().get_operations(),
-                                     self.trace.records, self.commit_channel.dequeue_op)
+        types = commit.record_types(self.trace.records)
+        tainted = None if types is None else commit.gate_writes(
+            tf.compat.v1.get_default_graph().get_operations(), types,
+            self.commit_channel.dequeue_op)
         if tainted is None:
             self.commit_channel = None
             return

@@ -133,7 +133,7 @@ class Executable:
 _TOKEN = []
 
 
-def _token():
+def token():
     """The gate and commit token, one eager tensor made once (not a conversion per put)."""
     if not _TOKEN:
         _TOKEN.append(tf.constant(True))
@@ -199,7 +199,7 @@ class PathRun(Executable):
         ch = self.graph.gate_channels.get(start)
         if ch is None:
             return False
-        ch.put(_token())
+        ch.put(token())
         return True
 
     def gated(self, start: int) -> bool:
@@ -211,7 +211,7 @@ class PathRun(Executable):
 
     def put_commit(self) -> None:
         self.put_any = True
-        self.graph.commit_channel.put(_token())
+        self.graph.commit_channel.put(token())
 
     def needs_commit(self, ref) -> bool:
         return ref in self.graph.commit_dependent

@@ -30,10 +30,11 @@ from tensorflow.core.protobuf import rewriter_config_pb2
 from terra.compiler.plan import Planner
 from terra.compiler.lower import lower
 from terra.compiler.merge import merge
+from terra.compiler.shapes import unknown_shapes
 from terra.ir.records import Fetch, Trace
 from terra.compiler.channels import Unread
 from terra.config import CONFIG
-from terra.runtime.executable import Executable, PathRun
+from terra.runtime.executable import Executable, PathRun, token
 from terra.runtime.fallback import Snapshot, written_variables
 from terra.runtime.placeholders import Placeholder
 
@@ -121,6 +122,18 @@ def _no_remapper(config) -> None:
     config.graph_options.rewrite_options.remapping = rewriter_config_pb2.RewriterConfig.OFF
 
 
+def _shapes_known(paths) -> bool:
+    """Whether TF's shape inference fixes every shape of every path given its feeds' recorded
+    shapes (skip mode checks those), so each value of the site graph has the shape recorded on
+    the path that runs: the graph's unknown dimensions only relax shapes across paths and make
+    no op fallible (compiler/commit.py)."""
+    for p in paths:
+        own = p.graph if p.graph is not None and p.graph.path is p else None
+        if (own.unknown_shapes if own is not None else unknown_shapes(p.trace)):
+            return False
+    return True
+
+
 class SiteGraph:
     """The lowered graph of a site's compiled paths; `plans[id(path)]` drives one path."""
 
@@ -147,7 +160,8 @@ class SiteGraph:
             g = merge(g, t)
         self.traces = traces
         self.merged_traces = len(traces) - start  # (tests: what a rebuild merged)
-        self.lowered = lower(g, traces, timed=timed)
+        self.lowered = lower(g, traces, timed=timed, commit=CONFIG.commit_writes,
+                             shapes_known=CONFIG.commit_writes and _shapes_known(self.paths))
         self.concrete = self.lowered.function
         self.plans = {id(p): SitePlan(self.lowered, t, p, tid=k)
                       for k, (p, t) in enumerate(zip(self.paths, traces))}
@@ -205,6 +219,19 @@ class SiteRun(Executable):
         self.taken: dict = {}  # fetch key -> elements taken this iteration
         self.values: dict = {}  # (fetch key, visit) -> value taken
         self.advance = self._advance
+        self.put_any = False    # the commit token was put
+
+    @property
+    def commits(self) -> bool:
+        return self.graph.lowered.commit_channel is not None
+
+    def put_commit(self) -> None:
+        self.put_any = True
+        self.graph.lowered.commit_channel.put(token())
+
+    def needs_commit(self, ref) -> bool:
+        where = self.plan.where.get((ref.record, ref.index))
+        return where is not None and where[0] in self.graph.lowered.commit_dependent
 
     @property
     def snapshot(self):
@@ -219,7 +246,7 @@ class SiteRun(Executable):
 
     def queued(self, runner) -> bool:
         # lazy mode: nothing ran, but what Python put is queued (the next path would dequeue it)
-        return bool(runner.fed) or bool(self.done)
+        return bool(runner.fed) or bool(self.done) or self.put_any
 
     def starts_early(self) -> bool:
         return True

@@ -47,7 +47,8 @@ def _gated(build, var):
         loss, later = build(rec, var, x)
         fetch.enqueue_op(loss)
         out["tainted"] = commit.gate_writes(tf.compat.v1.get_default_graph().get_operations(),
-                                            rec.records, gate.dequeue_op)
+                                            commit.record_types(rec.records),
+                                            gate.dequeue_op)
         return loss, later  # (an op nothing uses is pruned, and never fails)
     fn = tf.function(body, autograph=False).get_concrete_function()
     return fn, gate, feed, fetch, out["tainted"]
@@ -159,5 +160,10 @@ def test_a_fallible_op_that_depends_on_a_write_leaves_the_graph_ungated():
 
 
 def test_a_function_call_leaves_the_graph_ungated():
-    ops = [SimpleNamespace(op_type="f", route="function")]
-    assert commit.gate_writes([], ops, lambda: None) is None
+    records = [SimpleNamespace(op_type="MatMul", route="op"),
+               SimpleNamespace(op_type="f", route="function")]
+    assert commit.record_types(records) is None
+    assert commit.record_types(records[:1])(0) == "MatMul"
+    assert commit.record_types(records[:1])(1) is None
+    assert commit.record_types({7: records[0]})(7) == "MatMul"
+    assert commit.record_types({7: records[0], 8: records[1]}) is None

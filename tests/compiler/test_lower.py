@@ -305,3 +305,48 @@ def test_small_numpy_value_that_changes_is_a_branch_never_a_stale_constant(monke
               for s in n.inputs if isinstance(s, ConstRef) and s.dtype == "float32"
               and isinstance(s.value, tuple)}
     assert {(1.0, 2.0), (2.0, 4.0), (3.0, 6.0)} <= consts  # one branch per value
+
+
+# --------------------------------------------------------------------- commit-gated writes
+def _lowered_paths(step, cfgs, **kw):
+    rng = np.random.default_rng(5)
+    s = Vars(v=(2,))
+    graph, traces = None, []
+    for cfg in cfgs:
+        trace, _ = record(step, s, _x(rng), *cfg)
+        graph = merge(graph, trace)
+        traces.append(trace)
+    return lower(graph, traces, **kw)
+
+
+def test_commit_gates_the_writes_of_branches_and_names_the_fetches_that_wait():
+    """With `commit=True` every write waits for the commit op, a `switch_case` whose branches
+    write as one op, and the fetched loss (it reads the written variable) waits for it too."""
+    lw = _lowered_paths(step_stateful, [(0, 1), (1, 1)], commit=True)
+    assert lw.commit_channel is not None and lw.commit_channel in lw.channels()
+    assert lw.commit_dependent == frozenset(lw.fetches) and len(lw.fetches) == 1
+    ops = lw.function.graph.get_operations()
+    (commit_op,) = [op for op in ops if op.name.startswith("terra_commit")]
+    gated = [op for op in ops if commit_op in op.control_inputs]
+    assert {op.type for op in gated} == {"AssignVariableOp", "Case"}, gated
+    assert lw.stats["switch_case_ops"] == 1
+    assert _lowered_paths(step_stateful, [(0, 1), (1, 1)]).commit_channel is None  # default
+
+
+def step_write_then_gather(s, x, path):
+    loss = tf.reduce_sum(x, axis=[0, 1])
+    if path == 0:
+        s.v.assign_add(tf.ones_like(s.v))
+        loss = loss * tf.gather(tf.constant([1.0, 2.0]), np.array([1], np.int32))[0]
+    float(loss)
+    return loss
+
+
+def test_a_branch_that_writes_then_may_fail_leaves_the_graph_ungated():
+    """The gather could fail after the write in the same branch: the commit cannot both wait
+    for it and precede it, so nothing is gated."""
+    lw = _lowered_paths(step_write_then_gather, [(0,), (1,)], commit=True)
+    assert lw.stats["switch_case_ops"] == 1
+    assert lw.commit_channel is None and lw.commit_dependent == frozenset()
+    assert not any(op.name.startswith("terra_commit")
+                   for op in lw.function.graph.get_operations())

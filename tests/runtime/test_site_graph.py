@@ -358,3 +358,172 @@ def test_with_background_builds_the_site_graph_is_built_on_the_builder_thread():
     assert f"site graph (switch_case / while_loop) for {len(compiled)} paths" in log, log
     assert "on the builder thread, in use from iteration" in log, log
     assert "no site graph" not in log, log
+
+
+# ------------------------------------------------------------------------ commit-gated writes
+@pytest.fixture
+def takes(monkeypatch):
+    """How many variable snapshots were taken (before runs, or by an early commit)."""
+    from terra.runtime import fallback
+    count = [0]
+    original = fallback.Snapshot.take
+
+    def take(self):
+        count[0] += 1
+        return original(self)
+    monkeypatch.setattr(fallback.Snapshot, "take", take)
+    return count
+
+
+def _site_graph():
+    (site,) = SESSION.sites.values()
+    assert site.site_graph is not None, terra.explain()
+    return site.site_graph.lowered
+
+
+def _counts():
+    st = terra.stats()
+    return {k: st[k] for k in ("traces", "fallbacks", "graph_builds", "case_switches",
+                               "path_switches")}
+
+
+def random_write_branch(Tape, steps=24):
+    """One of two branches per step, by Python's `random`; one of them adds to a counter
+    variable and then gathers by a fed index (a failing op after a write, inside a branch)."""
+    w, u = _matrices(2, seed=6)
+    counter, table = tf.Variable(0.0), tf.constant([1.0, 2.0, 3.0])
+    X = _data(steps)
+    rnd = random.Random(9)
+    losses = []
+    for i in range(steps):
+        with Tape() as tape:
+            loss = tf.reduce_mean(tf.tanh(tf.matmul(tf.matmul(X[i], w), u)) ** 2)
+            if rnd.random() < 0.5:
+                counter.assign_add(1.0)
+                loss = loss * tf.gather(table, np.array([i % 3], np.int32))[0]
+        _sgd(tape, loss, [w, u])
+        losses.append(float(loss))
+    return losses, [w.numpy(), u.numpy(), counter.numpy()]
+
+
+@pytest.mark.parametrize("name, gated", [("random_branch", True), ("generator", True),
+                                         ("random_write_branch", False)])
+def test_site_graph_writes_wait_for_the_commit_where_the_graph_allows(takes, name, gated):
+    """Each site-graph run writes only once Python has ended its iteration on a compiled path,
+    so no run takes a snapshot, with the same counts as with snapshots. A branch that writes
+    and then may fail (random_write_branch) leaves the graph ungated: snapshots as before."""
+    program = {**PROGRAMS, "random_write_branch": random_write_branch}[name]
+    eager = program(tf.GradientTape)
+    old = terra.config(commit_writes=False)
+    try:
+        snap, snap_stats, _ = _terra_run(program, True)
+        snap_counts, snap_takes = _counts(), takes[0]
+    finally:
+        terra.config(**old)
+    takes[0] = 0
+    got, stats, explain = _terra_run(program, True)
+    _assert_same(snap, eager, f"{name} commit_writes=False")
+    _assert_same(got, eager, name)
+    assert _counts() == snap_counts, explain
+    assert stats["case_switches"] > 0, explain
+    assert (_site_graph().commit_channel is not None) == gated, explain
+    # (a run without the commit channel snapshots on the runner's thread when it starts; one
+    # cancelled before it started takes none, so those counts depend on timing)
+    assert snap_takes > 0 and stats["commit_snapshots"] == 0, explain
+    if gated:
+        assert takes[0] == 0, explain
+    else:  # its site graph's runs snapshot; its path graphs' runs (gated) do not
+        assert takes[0] > 0, explain
+
+
+def _read_written(Tape, steps=24):
+    """random_branch with a read of an updated weight at the end of every iteration."""
+    reads = []
+    keras.utils.set_random_seed(3)
+    trunk = keras.layers.Dense(6, activation="tanh")
+    heads = [keras.layers.Dense(1), keras.layers.Dense(1, activation="sigmoid")]
+    X, Y = _data(steps), _data(steps, (8, 1), seed=2)
+    rnd = random.Random(7)
+    trunk.build((None, 4))
+    for h in heads:
+        h.build((None, 6))
+    variables = trunk.trainable_variables + [v for h in heads for v in h.trainable_variables]
+    losses = []
+    for i in range(steps):
+        with Tape() as tape:
+            out = heads[rnd.randrange(2)](trunk(X[i]))
+            loss = tf.reduce_mean((out - Y[i]) ** 2)
+        _sgd(tape, loss, variables)
+        losses.append(float(loss))
+        reads.append(float(trunk.kernel[0, 0]))
+    return losses + reads, [v.numpy() for v in variables]
+
+
+def test_a_read_of_a_written_value_commits_the_site_graph_run_early(takes):
+    """Python reads an updated weight before the iteration ends: that fetch waits for the
+    commit, so the run commits early, after a snapshot, once per compiled iteration."""
+    eager = _read_written(tf.GradientTape)
+    got, stats, explain = _terra_run(_read_written, True)
+    _assert_same(got, eager, "read_written")
+    lowered = _site_graph()
+    assert lowered.commit_channel is not None and lowered.commit_dependent, explain
+    assert stats["case_switches"] > 0, explain
+    assert takes[0] == stats["commit_snapshots"] == 24 - stats["traces"] == 20, explain
+
+
+def _branch_error(Tape, steps=14, bad=10):
+    """Random branch per step; one branch gathers columns by a fed index, out of range at step
+    `bad` (forced into that branch); the update follows. Returns the losses, the error's step
+    and line, and the variables when it was raised."""
+    import traceback
+    w, u, v = _matrices(3, seed=12)
+    X = _data(steps)
+    rnd = random.Random(4)
+    losses, errors, at_error = [], [], None
+    for i in range(steps):
+        idx = np.array([0, 1, 2, 3], np.int32)
+        if i == bad:
+            idx[2] = 9
+        try:
+            with Tape() as tape:
+                h = tf.matmul(X[i], w)
+                if rnd.random() < 0.5 or i == bad:
+                    h = tf.gather(tf.tanh(tf.matmul(h, u)), idx, axis=1)  # fails at `bad`
+                else:
+                    h = tf.nn.relu(tf.matmul(h, v))
+                loss = tf.reduce_mean(h * h)
+            losses.append(float(loss))
+            _sgd(tape, loss, [w, u, v])
+        except tf.errors.InvalidArgumentError as e:
+            here = [f.lineno for f in traceback.extract_tb(e.__traceback__)
+                    if f.filename == __file__]
+            errors.append((i, type(e), here[-1], str(e)))
+            if at_error is None:
+                at_error = [x.numpy() for x in (w, u, v)]
+    return losses, errors, at_error
+
+
+def test_an_error_inside_a_branch_of_the_gated_site_graph_is_eagers(takes):
+    """The gather inside a `switch_case` branch fails in a site-graph run: the run wrote
+    nothing (its writes wait for the commit, and the commit for the gather), the iteration
+    replays eagerly and raises eager's exception type in the same iteration, naming eager's
+    line (raised at the sync point that found the failure: Python had passed the gather),
+    with eager's state."""
+    eager = _branch_error(tf.GradientTape)
+    got = _branch_error(tf.TerraGradientTape)
+    terra.end_iteration()
+    explain = terra.explain()
+    ((step, kind, line, _),) = eager[1]
+    ((got_step, got_kind, got_line, message),) = got[1]
+    assert (got_step, got_kind) == (step, kind) == (10, tf.errors.InvalidArgumentError)
+    assert f"GatherV2 recorded at test_site_graph.py:{line} " in message, message
+    assert got_line > line, got_line  # (the float(loss) or the line the graph's failure met)
+    np.testing.assert_allclose(got[0], eager[0], rtol=1e-5, atol=1e-7)
+    for a, b in zip(got[2], eager[2]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    lowered = _site_graph()
+    assert lowered.commit_channel is not None, explain
+    assert terra.stats()["case_switches"] > 0 and "graph error" in explain, explain
+    # no run snapshotted before it started; the only snapshots are early commits where a
+    # path graph's run is waited for at its path's last op (`Iteration.wait_run`)
+    assert takes[0] == terra.stats()["commit_snapshots"], explain
