@@ -61,24 +61,47 @@ class _Instance:
     ranges: list  # (first, last) record index of each iteration, None when empty
 
 
-def _structure(records, idxs, depth, counter):
+def _callers(loc, depth: int, cache: dict):
+    """The call sites down to the frame that runs `loc.loops[depth]` (None: not found). A run of
+    that loop ends where they change: two calls of one function from different call sites
+    (a Keras trunk, then a head, each a functional model looping over its layers) both start at
+    pass 0, and without this their ops would be one pass of one run."""
+    key = (id(loc), depth)
+    got = cache.get(key, cache)
+    if got is cache:
+        frames, fi = loc.frames, 0
+        for lp in loc.loops[:depth + 1]:
+            label = lp.loop.rsplit("@", 1)[0]
+            while fi < len(frames) and frames[fi].rsplit("@", 1)[0] != label:
+                fi += 1
+        got = cache[key] = frames[:fi] if fi < len(frames) else None
+    return got
+
+
+def _structure(records, idxs, depth, counter, cache=None):
+    cache = {} if cache is None else cache  # (`_callers`; the records keep their locations)
     items, i = [], 0
     while i < len(idxs):
-        loops = records[idxs[i]].location.loops
+        loc = records[idxs[i]].location
+        loops = loc.loops
         if len(loops) <= depth:
             items.append(idxs[i])
             i += 1
             continue
         lid, groups, last_it, j = loops[depth].loop, {}, -1, i
+        callers = _callers(loc, depth, cache)
         while j < len(idxs):
-            lp = records[idxs[j]].location.loops
+            loc_j = records[idxs[j]].location
+            lp = loc_j.loops
             if len(lp) <= depth or lp[depth].loop != lid or lp[depth].iteration < last_it:
+                break
+            if loc_j is not loc and _callers(loc_j, depth, cache) != callers:
                 break
             last_it = lp[depth].iteration
             groups.setdefault(last_it, []).append(idxs[j])
             j += 1
         uid = next(counter)
-        iters = [_structure(records, groups.get(k, []), depth + 1, counter)
+        iters = [_structure(records, groups.get(k, []), depth + 1, counter, cache)
                  for k in range(last_it + 1)]
         ranges = [(g[0], g[-1]) if (g := groups.get(k)) else None for k in range(last_it + 1)]
         items.append(_Instance(uid, lid, depth, idxs[i], idxs[j - 1], iters, ranges))

@@ -579,3 +579,54 @@ def test_an_op_inserted_elsewhere_in_repeated_code_adds_only_the_ops_that_differ
     assert covers(g, a) and covers(g, b)
     shared = [n for n in g.op_nodes if set(n.seen) == {0, 1}]
     assert sorted(n.op.op_type for n in shared) == ["Mul"] * 6 + ["RealDiv"] * 3
+
+
+def _model_call(site, weights, start, first_input):
+    """Records of a call, from call site `site`, of a function whose loop at offset 266 (one
+    pass per call) runs an inner loop at 290 over its layers, one per weight: a MatMul by the
+    weight (a variable), then a Tanh."""
+    recs, prev = [], first_input
+    for p, w in enumerate(weights):
+        for op_type in ("MatMul", "Tanh"):
+            where = Location((site, "functional.py:run@300", f"layers.py:{op_type}@1"),
+                             (LoopIter("functional.py:run@266", 0),
+                              LoopIter("functional.py:run@290", p)))
+            k = start + len(recs)
+            inputs = (prev, VariableRef(w)) if op_type == "MatMul" else (prev,)
+            recs.append(OpRecord(k, op_type, F32, inputs, (TensorSpec("float32", (2,)),), where))
+            prev = OutputRef(k)
+    return recs
+
+
+def _trunk_then_head(head):
+    recs = _model_call("train.py:step@10", (1, 2), 0, FeedRef(0))
+    recs += _model_call("train.py:step@20", head, len(recs), OutputRef(len(recs) - 1))
+    recs.append(OpRecord(len(recs), "Sum", F32, (OutputRef(len(recs) - 1),),
+                         (TensorSpec("float32", ()),), loc(30)))
+    return Trace("train.py:step@1", recs, fetches=[Fetch(OutputRef(len(recs) - 1), len(recs),
+                                                         "numpy")])
+
+
+def test_two_calls_of_one_looping_function_are_two_loop_runs():
+    """A Keras trunk then one of two heads, both functional models whose call loops over its
+    layers: each call starts that loop at pass 0. Split by call site, the trunk is one loop run
+    that both traces share, and the paths part at the head; as one run (the trunk's and the
+    head's ops one pass of it) they parted at the first op."""
+    a, b = _trunk_then_head((10, 11)), _trunk_then_head((20, 21))  # (two heads' weights)
+    g = merge(merge(None, a), b)
+    starts = [e for e in g.edges if e[0] == g.start]
+    assert len(starts) == 1, g.edges
+    shared = g.nodes[starts[0][1]]
+    assert shared.kind == LOOP and set(shared.seen) == {0, 1}
+    assert shared.loop.trip_counts == {0: (1,), 1: (1,)}  # (the loop at 266: one pass)
+
+    def alone(level, tid):  # op types of the nodes only trace `tid` passes
+        out = []
+        for n in level.op_nodes:
+            if n.kind == LOOP:
+                out += alone(n.loop.body, tid)
+            elif set(n.seen) == {tid}:
+                out.append(n.op.op_type)
+        return sorted(out)
+    assert alone(g, 0) == alone(g, 1) == ["MatMul", "MatMul", "Tanh", "Tanh"]  # the heads
+    assert covers(g, _trunk_then_head((20, 21)))

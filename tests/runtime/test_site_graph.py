@@ -72,6 +72,34 @@ def random_branch(Tape, steps=24):
     return losses, [v.numpy() for v in variables]
 
 
+def sequential_heads(Tape, steps=24):
+    """A Sequential trunk, then one of three Sequential heads of different widths, chosen by
+    Python's `random`: each model's call loops over its layers (Keras' functional run), so the
+    trunk's and the head's ops are two runs of one library loop, each from pass 0."""
+    keras.utils.set_random_seed(4)
+    trunk = keras.Sequential([keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(8, activation="tanh")])
+    heads = [keras.Sequential([keras.layers.Dense(4 * (j + 1), activation="relu"),
+                               keras.layers.Dense(1)]) for j in range(3)]
+    inp = keras.Input((4,))
+    for h in heads:
+        h(trunk(inp))
+    variables = trunk.trainable_variables + [v for h in heads for v in h.trainable_variables]
+    opt = keras.optimizers.SGD(0.05)
+    opt.build(variables)
+    X, Y = _data(steps), _data(steps, (8, 1), seed=5)
+    rnd = random.Random(13)
+    losses = []
+    for i in range(steps):
+        with Tape() as tape:
+            h = trunk(X[i])
+            loss = tf.reduce_mean((heads[rnd.randrange(3)](h) - Y[i]) ** 2)
+        grads = tape.gradient(loss, variables)
+        opt.apply_gradients([(g, v) for g, v in zip(grads, variables) if g is not None])
+        losses.append(float(loss))
+    return losses, [v.numpy() for v in variables]
+
+
 def early_exit(Tape, steps=24):
     """A Python loop of ops that stops when the activations (read by Python) get large."""
     w, u = _matrices(2)
@@ -130,7 +158,7 @@ def trip_count(Tape, steps=24):
 
 
 PROGRAMS = {"random_branch": random_branch, "early_exit": early_exit, "generator": generator,
-            "trip_count": trip_count}
+            "trip_count": trip_count, "sequential_heads": sequential_heads}
 
 
 def _assert_same(got, eager, what):
@@ -158,6 +186,7 @@ SWITCHES = {
     "generator": (15, 15, 0),
     "trip_count": (18, 18, 0),
     "early_exit": (8, 8, 0),
+    "sequential_heads": (11, 11, 0),  # (11, 0, 11) with the trunk and head one loop run
 }
 
 
