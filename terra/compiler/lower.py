@@ -7,7 +7,9 @@ Construct by construct (docs/lowering.md has the details and an example):
 - op node: the recorded op rebuilt by the trace interpreter's graph emitter (`GraphReplay.op`), named
   `terra_op_<node id>` so runtime errors map back to the node;
 - switch-case (Algorithm 1) with several cases, or a single case that a finished path skips:
-  one `tf.switch_case` whose index is a Case-Select feed; an extra empty default branch when some
+  one `tf.switch_case` whose index is a Case-Select feed (at the top level, or a lookup of an
+  earlier switch-case's index where, on every path, its case follows from that one's:
+  `derived_selects`); an extra empty default branch when some
   path may already have reached `end` (`path_choices` gives it `len(cases)`). A single case every
   path takes is emitted inline. Values produced in a branch and read later (plain values, phi
   slots, loop-carried values) are the switch-case's outputs; a branch that does not produce one
@@ -50,7 +52,7 @@ import tensorflow as tf
 from terra import _tf_private as tfp
 from terra.compiler import commit as _commit
 from terra.compiler import replay as _replay
-from terra.compiler.case_assignment import assign_cases
+from terra.compiler.case_assignment import assign_cases, path_choices
 from terra.compiler.interpret import input_dtypes
 from terra.compiler.merge import shape_key  # what `covers` compares
 from terra.compiler.merge import merge
@@ -112,6 +114,8 @@ class Lowered:
     commit_channel  FeedChannel(bool) whose token lets a run write (None: not gated; the
                   runtime snapshots the variables before each run).
     commit_dependent  fetch keys whose elements wait for the commit.
+    derived_selects  (TOP, k) -> (j, table): top-level switch-case k takes `table[select j]`,
+                  not a Case-Select of its own (on every path its case follows from j's).
     """
     graph: TraceGraph
     function: object
@@ -126,6 +130,7 @@ class Lowered:
     stats: dict = field(default_factory=dict)
     commit_channel: object = None
     commit_dependent: frozenset = frozenset()
+    derived_selects: dict = field(default_factory=dict)
 
     def channels(self) -> list:
         return (list(self.feeds.values()) + list(self.case_selects.values())
@@ -144,6 +149,11 @@ class Lowered:
         if shape_key(merged) != shape_key(self.graph):
             return None
         tid = self.graph.num_traces
+        if self.derived_selects:  # a new combination of the paths' choices has no select
+            choices = top_choices(merged, self.levels[TOP], tid)
+            if choices is None or any(choices[k] != table[choices[j]] for (_, k), (j, table)
+                                      in self.derived_selects.items()):
+                return None
         for lid, trips in self.unrolled.items():
             node = _find(merged, lid)
             if any(c != trips for c in node.loop.trip_counts.get(tid, ())):
@@ -169,6 +179,8 @@ class Lowered:
             for k, sc in enumerate(lp.switch_cases):
                 how = ("switch_case" + (" + default" if lp.default[k] else "")) if lp.has_op[k] \
                     else "inline"
+                if (lid, k) in self.derived_selects:
+                    how += f" (index from s{self.derived_selects[(lid, k)][0] + 1})"
                 lines.append(f"  {where} s{k + 1}: {how}: {sc!r}")
         for lid, t in sorted(self.unrolled.items()):
             lines.append(f"  loop n{lid}: unrolled x{t}")
@@ -182,6 +194,40 @@ class Lowered:
 
 
 # ------------------------------------------------------------------------------- graph analysis
+def top_choices(graph: TraceGraph, plan: LevelPlan, tid: int):
+    """The case trace `tid` takes at each top-level switch-case (`path_choices`), None where
+    the switch-cases do not cover its path."""
+    visits = sorted((r, n.id) for n in graph.op_nodes for r in n.seen.get(tid, ()))
+    try:
+        return path_choices(plan.switch_cases, (graph.start,) + tuple(n for _, n in visits) +
+                            (graph.end,))
+    except ValueError:
+        return None
+
+
+def derive_selects(graph: TraceGraph, plan: LevelPlan) -> dict:
+    """(TOP, k) -> (j, table) for each top-level switch-case op k whose case follows, on every
+    trace, from the case of an earlier one j that has a Case-Select: its index is then
+    `table[select j]` in the graph, and Python puts one select instead of one per switch-case
+    (a random head among three made 25 switch-cases, 25 puts per step)."""
+    choices = [top_choices(graph, plan, t) for t in range(graph.num_traces)]
+    if not choices or any(c is None for c in choices):
+        return {}
+    sources, derived = [], {}
+    for k, has_op in enumerate(plan.has_op):
+        if not has_op:
+            continue
+        for j in sources:
+            table = {}
+            if all(table.setdefault(c[j], c[k]) == c[k] for c in choices):
+                width = len(plan.switch_cases[j].cases) + (1 if plan.default[j] else 0)
+                derived[(TOP, k)] = (j, tuple(table.get(v, 0) for v in range(width)))
+                break
+        else:
+            sources.append(k)
+    return derived
+
+
 def _find(g: TraceGraph, nid: int):
     if nid in g.nodes:
         return g.nodes[nid]
@@ -228,6 +274,7 @@ class _Analysis:
         self.node, self.level_of, self.levels = {}, {}, {}
         self._index(TOP, graph)
         self.plans = {lid: self._plan(lid, g) for lid, g in self.levels.items()}
+        self.derived = derive_selects(graph, self.plans[TOP])
         self.vars = {lid: self._vars(lid) for lid in self.levels if lid != TOP}
         self.phi_keys, self.var_keys = {}, {}
         for lid, g in self.levels.items():
@@ -490,6 +537,7 @@ class _Lowering:
         self.builder = _NodeReplay(variables, functions)
         self.feeds, self.feed_points, self.case_selects = {}, {}, {}
         self.loop_conds, self.unrolled, self.fetches = {}, {}, {}
+        self.selects = {}  # (level, k) -> the select tensor of a top-level switch-case
         self._emitted_points = {}
 
     # ---- channels (created eagerly, lifted out of the function being traced)
@@ -531,9 +579,18 @@ class _Lowering:
             for n in c.block:
                 written |= {key for key, _ in an.writes(an.node[n])}
         keys = sorted(written & needed, key=repr)
-        ch = self._channel(self.case_selects, (lid, k), lambda: FeedChannel(
-            tf.int32, [], name=f"case_select_{lid}_{k}", timed=self.timed))
-        select = self._dequeue(scope, ch)
+        derived = an.derived.get((lid, k))
+        if derived is not None:  # (a top-level one: the select it follows is in scope)
+            with tf.control_dependencies(scope.chain.control()):
+                select = tf.gather(tf.constant(derived[1], tf.int32),
+                                   self.selects[(lid, derived[0])])
+            scope.chain.fed(select.op)
+        else:
+            ch = self._channel(self.case_selects, (lid, k), lambda: FeedChannel(
+                tf.int32, [], name=f"case_select_{lid}_{k}", timed=self.timed))
+            select = self._dequeue(scope, ch)
+        if lid == TOP:
+            self.selects[(lid, k)] = select
 
         summaries, top = [], self._enter()
 
@@ -806,4 +863,5 @@ def lower(graph: TraceGraph, traces, *, unroll: bool = True, timed: bool = True,
     dependent = gated.get("dependent")
     return Lowered(graph, concrete, lw.feeds, lw.feed_points, lw.case_selects, lw.loop_conds,
                    lw.unrolled, lw.fetches, an.plans, time.perf_counter() - t0, stats,
-                   channel if dependent is not None else None, dependent or frozenset())
+                   channel if dependent is not None else None, dependent or frozenset(),
+                   an.derived)

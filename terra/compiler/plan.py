@@ -114,8 +114,9 @@ class Planner:
         self.decide(lid, lp, choices, nxt, len(lp.switch_cases), _PENDING)
 
     def decide(self, lid, lp, choices, a, b, at):
+        derived = self.lw.derived_selects
         for k in range(a, b):
-            if lp.has_op[k]:
+            if lp.has_op[k] and (lid, k) not in derived:  # (a derived one follows in the graph)
                 self.add("select", (lid, k), choices[k], at)
 
     def feeds(self, n, r):

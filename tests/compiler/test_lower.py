@@ -350,3 +350,55 @@ def test_a_branch_that_writes_then_may_fail_leaves_the_graph_ungated():
     assert lw.commit_channel is None and lw.commit_dependent == frozenset()
     assert not any(op.name.startswith("terra_commit")
                    for op in lw.function.graph.get_operations())
+
+
+# ------------------------------------------------------------------------- derived selects
+def step_two_branches(s, x, a, b):
+    """Two branches with a shared op between them: Python's choice `a`, then `b`."""
+    h = tf.matmul(x, s.v)
+    h = tf.nn.relu(h) if a == 0 else tf.tanh(h)
+    h = h * 3.0
+    h = h + 1.0 if b == 0 else h * h
+    loss = tf.reduce_sum(h)
+    s.v.assign_sub(0.01 * tf.ones_like(s.v) * loss)
+    float(loss)
+    return loss
+
+
+def test_a_switch_case_whose_case_follows_from_an_earlier_one_takes_its_index():
+    """Paths (0, 0) and (1, 1): the second switch-case's case follows from the first's, so it
+    looks its index up from the first's select (one Case-Select per iteration, not two);
+    a trace that chooses (0, 1) is covered by the TraceGraph but not by this graph, and the
+    lowering for three paths gives each switch-case its own select again."""
+    rng = np.random.default_rng(3)
+    cfgs = [(0, 0), (1, 1), (0, 0), (1, 1), (1, 1), (0, 0), (0, 1), (0, 1), (1, 1), (0, 0)]
+    run = _run(lambda: Vars(v=(3, 3)), step_two_branches, [(_x(rng),) + c for c in cfgs])
+    # lowerings: once both paths were seen (at the second (0, 0)), and after (0, 1), which
+    # the first graph does not run; driven: the iterations each graph covers
+    assert run.lowerings == 2 and run.driven == 6, run
+    assert [c[1:] for c in run.configs_driven] == [(1, 1), (1, 1), (0, 0), (0, 1), (1, 1),
+                                                  (0, 0)]
+    lw = run.lowered
+    assert lw.stats["switch_case_ops"] == 2 and len(lw.case_selects) == 2
+    assert lw.derived_selects == {}
+
+
+def test_derived_select_lowering():
+    """The graph of paths (0, 0) and (1, 1): one Case-Select; the second switch-case's index is
+    the first's through the table (0, 1); `match` refuses (0, 1) and takes (1, 1)."""
+    rng = np.random.default_rng(4)
+    s = Vars(v=(3, 3))
+    graph, traces = None, []
+    for a, b in [(0, 0), (1, 1)]:
+        trace, _ = record(step_two_branches, s, _x(rng), a, b)
+        graph = merge(graph, trace)
+        traces.append(trace)
+    lw = lower(graph, traces)
+    assert lw.stats["switch_case_ops"] == 2
+    ((key, (j, table)),) = lw.derived_selects.items()
+    assert list(lw.case_selects) == [(TOP, j)] and key[0] == TOP and key[1] > j
+    assert table == (0, 1) and f"(index from s{j + 1})" in lw.describe()
+    trace, _ = record(step_two_branches, s, _x(rng), 0, 1)
+    assert merge(graph, trace) is not None and lw.match(trace) is None
+    trace, _ = record(step_two_branches, s, _x(rng), 1, 1)
+    assert lw.match(trace) is not None
