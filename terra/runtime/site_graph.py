@@ -220,6 +220,7 @@ class SiteRun(Executable):
         self.values: dict = {}  # (fetch key, visit) -> value taken
         self.advance = self._advance
         self.put_any = False    # the commit token was put
+        self.due = self._due()  # `at` of the next event: `advance` below it has nothing to do
 
     @property
     def commits(self) -> bool:
@@ -263,6 +264,7 @@ class SiteRun(Executable):
         if plan is not None and self.done == self.plan.count_before(pos) and \
                 self.plan.agrees(plan, pos):
             self.plan = plan
+            self.due = self._due()
             return True
         return False
 
@@ -285,9 +287,16 @@ class SiteRun(Executable):
     def record_of(self, index):
         return self.plan.first_record.get(index)  # site-graph ops are named by node id
 
+    def _due(self) -> int:
+        actions = self.plan.actions
+        return actions[self.done][0] if self.done < len(actions) else 1 << 62
+
     def _advance(self, pos: int) -> bool:
         """Perform the events Python knows once records [0, pos) are matched. False if a feed
-        slot's value is not known yet (the event waits for the next call)."""
+        slot's value is not known yet (the event waits for the next call). Called after every
+        matched op: most calls find no event due."""
+        if pos <= self.due:
+            return True
         actions, i, fed = self.plan.actions, self.done, self.runner.fed
         n = len(actions)
         while i < n:
@@ -297,6 +306,7 @@ class SiteRun(Executable):
             if kind == "feed":
                 if value not in fed:
                     self.done = i
+                    self.due = at
                     return False
                 value = fed[value]
                 if isinstance(value, Placeholder):
@@ -304,6 +314,7 @@ class SiteRun(Executable):
             ch.put(value)
             i += 1
         self.done = i
+        self.due = actions[i][0] if i < n else 1 << 62
         return True
 
     def finish(self) -> bool:
