@@ -38,7 +38,7 @@ import tensorflow as tf
 from terra import _tf_private as tfp
 from terra.compiler.names import op_index_of
 
-__all__ = ["INFALLIBLE", "gate_writes", "fallible", "record_types", "summarize"]
+__all__ = ["INFALLIBLE", "gate_writes", "fallible", "record_kind", "record_types", "summarize"]
 
 # Ops that read a resource without changing it (every other op with a resource input writes).
 READ_ONLY_RESOURCE_OPS = frozenset({"ReadVariableOp", "VariableShape", "VarIsInitializedOp",
@@ -111,6 +111,23 @@ def fallible(op, shapes_known: bool = False) -> bool:
     if op.type in _INTEGER_DIVISION and op.outputs and not op.outputs[0].dtype.is_floating:
         return True
     return False
+
+
+def record_kind(record, shapes_defined: bool = True) -> tuple:
+    """(writes, can fail) of a recorded op before any graph exists, as `fallible` will judge
+    its op in the graph or more conservatively: `shapes_defined` says whether the graph will
+    know its output shapes; an index-like input is known where the record has a constant."""
+    from terra.ir.records import ConstRef, VariableRef
+    flat = [a for arg in record.inputs for a in (arg if isinstance(arg, tuple) else (arg,))]
+    writes = record.op_type not in READ_ONLY_RESOURCE_OPS and \
+        any(isinstance(a, VariableRef) for a in flat)
+    fails = (record.route == "function" or record.op_type not in INFALLIBLE
+             or not shapes_defined
+             or any(i >= len(record.inputs) or not isinstance(record.inputs[i], ConstRef)
+                    for i in _STATIC_INPUTS.get(record.op_type, ()))
+             or (record.op_type in _INTEGER_DIVISION and not (
+                 record.outputs and tf.as_dtype(record.outputs[0].dtype).is_floating)))
+    return writes, fails
 
 
 def record_types(records):

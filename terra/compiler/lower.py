@@ -14,7 +14,9 @@ Construct by construct (docs/lowering.md has the details and an example):
   path takes is emitted inline. Values produced in a branch and read later (plain values, phi
   slots, loop-carried values) are the switch-case's outputs; a branch that does not produce one
   passes the incoming value through, or a zero dummy of the right dtype (shapes are relaxed by
-  `switch_case` where branches differ);
+  `switch_case` where branches differ); neighbouring top-level switch-cases on one select,
+  with only small shared blocks between them, are one `switch_case` whose branches copy those
+  blocks (`Lowered.runs`, compiler/fuse.py);
 - loop node: a `tf.while_loop` whose cond dequeues a Loop-Cond feed per iteration; unrolled (no
   Loop-Cond) when every recorded visit had the same trip count. `Prev`/`Carried` sources and the
   loop's outputs are loop variables: the value of the last iteration that ran the producer
@@ -51,6 +53,7 @@ import tensorflow as tf
 
 from terra import _tf_private as tfp
 from terra.compiler import commit as _commit
+from terra.compiler import fuse as _fuse
 from terra.compiler import replay as _replay
 from terra.compiler.case_assignment import assign_cases, path_choices
 from terra.compiler.interpret import input_dtypes
@@ -64,6 +67,7 @@ from terra.compiler.names import op_node_name
 __all__ = ["lower", "Lowered", "FeedPoint", "LevelPlan", "TOP", "op_name"]
 
 TOP = "top"  # level id of the top level; a loop body's level id is its loop node's id
+FUSE_MAX_SHARED = 16  # nodes of a shared block copied into each branch of a fused switch-case
 _OUT, _PHI, _VAR, _VARIN, _FEED, _ITERFEED = "out", "phi", "var", "varin", "feed", "iterfeed"
 
 
@@ -116,6 +120,7 @@ class Lowered:
     commit_dependent  fetch keys whose elements wait for the commit.
     derived_selects  (TOP, k) -> (j, table): top-level switch-case k takes `table[select j]`,
                   not a Case-Select of its own (on every path its case follows from j's).
+    runs          fuse.Run per group of top-level switch-cases emitted as one `switch_case`.
     """
     graph: TraceGraph
     function: object
@@ -131,6 +136,7 @@ class Lowered:
     commit_channel: object = None
     commit_dependent: frozenset = frozenset()
     derived_selects: dict = field(default_factory=dict)
+    runs: tuple = ()
 
     def channels(self) -> list:
         return (list(self.feeds.values()) + list(self.case_selects.values())
@@ -174,6 +180,7 @@ class Lowered:
                  f"{len(self.feeds)} feeds, {len(self.fetches)} fetches, "
                  f"{len(self.case_selects)} case selects, {len(self.loop_conds)} loop conds, "
                  f"built in {self.build_seconds:.2f} s"]
+        fused = {(TOP, k): r for r in self.runs for k in r.members}
         for lid, lp in self.levels.items():
             where = "top" if lid == TOP else f"body of n{lid}"
             for k, sc in enumerate(lp.switch_cases):
@@ -181,6 +188,9 @@ class Lowered:
                     else "inline"
                 if (lid, k) in self.derived_selects:
                     how += f" (index from s{self.derived_selects[(lid, k)][0] + 1})"
+                run = fused.get((lid, k))
+                if run is not None:
+                    how = f"in {run!r}: " + how
                 lines.append(f"  {where} s{k + 1}: {how}: {sc!r}")
         for lid, t in sorted(self.unrolled.items()):
             lines.append(f"  loop n{lid}: unrolled x{t}")
@@ -269,7 +279,8 @@ def _relax(specs):
 class _Analysis:
     """Static facts about the whole graph: node index, levels, specs, reads and writes."""
 
-    def __init__(self, graph: TraceGraph, traces):
+    def __init__(self, graph: TraceGraph, traces, fuse: int = 0, commit: bool = False,
+                 shapes_known: bool = False):
         self.graph, self.traces = graph, traces
         self.node, self.level_of, self.levels = {}, {}, {}
         self._index(TOP, graph)
@@ -286,6 +297,47 @@ class _Analysis:
         for lid, vs in self.vars.items():
             for v in vs:
                 self.var_keys.setdefault((v[0], v[1]), []).append((_VAR, v))
+        self.runs = self._fuse(fuse, commit, shapes_known)
+
+    def _fuse(self, fuse, commit, shapes_known) -> tuple:
+        """compiler/fuse.py's runs of the top level."""
+        top = self.plans[TOP]
+
+        def size(n):  # a loop: its body's nodes, each counted once
+            return 1 + (sum(size(m) for m in n.loop.body.op_nodes) if n.kind == LOOP else 0)
+
+        def size_of(k):
+            block = top.switch_cases[k].cases[0].block if top.switch_cases[k].cases else ()
+            return sum(size(self.node[n]) for n in block)
+        kinds = {}
+
+        def kind_of(k):
+            """(writes, can fail or is fetched) of switch-case k's ops: a fused `switch_case`
+            that writes waits for the commit as a whole, so one holding an op that can fail
+            would leave a gated graph ungated (compiler/commit.py) and one holding a fetch
+            would keep Python's read of it until the commit."""
+            if k not in kinds:
+                w = f = False
+                for c in top.switch_cases[k].cases:
+                    for n in c.block:
+                        nw, nf = self.node_kind(self.node[n], shapes_known)
+                        w, f = w or nw, f or nf
+                kinds[k] = (w, f)
+            return kinds[k]
+        return _fuse.fused_runs(top, self.derived, TOP, size_of, fuse,
+                                kind_of if commit else None)
+
+    def node_kind(self, n, shapes_known) -> tuple:
+        """(writes, can fail or is fetched) of a node, loops with their bodies
+        (`commit.record_kind`)."""
+        if n.kind == LOOP:
+            kinds = [self.node_kind(m, shapes_known) for m in n.loop.body.op_nodes]
+            return any(w for w, _ in kinds), any(f for _, f in kinds)
+        defined = shapes_known or all(
+            self.out_spec(n.id, i)[1] is not None and None not in self.out_spec(n.id, i)[1]
+            for i in range(len(n.op.outputs)))
+        writes, fails = _commit.record_kind(n.op, defined)
+        return writes, fails or bool(n.fetches)
 
     def _index(self, lid, g):
         self.levels[lid] = g
@@ -564,7 +616,15 @@ class _Lowering:
             for c in plan.switch_cases[k].cases:
                 for n in c.block:
                     later |= an.reads(an.node[n])
+        runs = {r.members[0]: r for r in an.runs} if lid == TOP else {}
+        fused = set()
         for k, sc in enumerate(plan.switch_cases):
+            if k in fused:
+                continue
+            if k in runs:
+                fused.update(runs[k].members)
+                self.fused(runs[k], reads_after[runs[k].members[-1]], scope)
+                continue
             if not plan.has_op[k]:
                 for c in sc.cases:
                     for n in c.block:
@@ -573,13 +633,7 @@ class _Lowering:
             self.switch_case(lid, k, sc, plan.default[k], reads_after[k], scope)
 
     def switch_case(self, lid, k, sc, default, needed, scope):
-        an = self.an
-        written = set()
-        for c in sc.cases:
-            for n in c.block:
-                written |= {key for key, _ in an.writes(an.node[n])}
-        keys = sorted(written & needed, key=repr)
-        derived = an.derived.get((lid, k))
+        derived = self.an.derived.get((lid, k))
         if derived is not None:  # (a top-level one: the select it follows is in scope)
             with tf.control_dependencies(scope.chain.control()):
                 select = tf.gather(tf.constant(derived[1], tf.int32),
@@ -591,7 +645,39 @@ class _Lowering:
             select = self._dequeue(scope, ch)
         if lid == TOP:
             self.selects[(lid, k)] = select
+        blocks = [c.block for c in sc.cases] + ([()] if default else [])
+        self._case_op(select, blocks, needed, scope, f"terra_switch_{lid}_{k}")
 
+    def fused(self, run, needed, scope):
+        """One `switch_case` for a fusion run (compiler/fuse.py): branch v runs each member's
+        case for the driver's select v, the shared blocks between them copied in."""
+        plan = self.an.plans[TOP]
+        if run.driver == run.members[0]:
+            ch = self._channel(self.case_selects, (TOP, run.driver), lambda: FeedChannel(
+                tf.int32, [], name=f"case_select_{TOP}_{run.driver}", timed=self.timed))
+            select = self.selects[(TOP, run.driver)] = self._dequeue(scope, ch)
+        else:  # a select dequeued earlier at the top level
+            with tf.control_dependencies(scope.chain.control()):
+                select = tf.identity(self.selects[(TOP, run.driver)])
+            scope.chain.fed(select.op)
+        blocks = []
+        for v in range(run.width):
+            block = []
+            for k in run.members:
+                c = _fuse.case_for(plan, self.an.derived, TOP, run.driver, k, v)
+                if c is not None:
+                    block.extend(plan.switch_cases[k].cases[c].block)
+            blocks.append(tuple(block))
+        self._case_op(select, blocks, needed, scope,
+                      f"terra_switch_{TOP}_{run.members[0]}_{run.members[-1]}")
+
+    def _case_op(self, select, blocks, needed, scope, name):
+        an = self.an
+        written = set()
+        for block in blocks:
+            for n in block:
+                written |= {key for key, _ in an.writes(an.node[n])}
+        keys = sorted(written & needed, key=repr)
         summaries, top = [], self._enter()
 
         def branch(block):
@@ -605,8 +691,7 @@ class _Lowering:
                 self._summarize(summaries)
                 return [_token(inner.chain)] + outs
             return fn
-        fns = [branch(c.block) for c in sc.cases] + ([branch(())] if default else [])
-        res = tf.switch_case(select, fns, name=f"terra_switch_{lid}_{k}")
+        res = tf.switch_case(select, [branch(b) for b in blocks], name=name)
         res = list(res) if isinstance(res, (list, tuple)) else [res]
         self._leave(top, _control_flow_op(res[0]), summaries)
         for key, t in zip(keys, res[1:]):
@@ -828,13 +913,16 @@ def _count_ops(concrete) -> dict:
 
 
 def lower(graph: TraceGraph, traces, *, unroll: bool = True, timed: bool = True,
-          commit: bool = False, shapes_known: bool = False) -> Lowered:
+          commit: bool = False, shapes_known: bool = False,
+          fuse: int = FUSE_MAX_SHARED) -> Lowered:
     """Build the TF graph for `graph`. `traces[t]` must be the trace merged as trace id `t` (for
     variables, called functions and feed shapes). `unroll`: unroll loops whose recorded trip
     counts are all equal. `timed`: feed channels measure graph stall (see compiler/channels.py).
     `commit`: gate the writes on a commit channel where the graph allows it (module docstring);
     `shapes_known`: every value has its recorded shape on each path (the paths' own graphs
-    infer every shape), so shapes relaxed across paths do not make an op count as fallible."""
+    infer every shape), so shapes relaxed across paths do not make an op count as fallible.
+    `fuse`: fuse neighbouring switch-cases driven by one select across shared blocks of at most
+    this many nodes (compiler/fuse.py; 0: never)."""
     if not isinstance(graph, TraceGraph):
         raise TypeError(f"lower expects a TraceGraph, got {type(graph).__name__}")
     traces = list(traces)
@@ -844,7 +932,7 @@ def lower(graph: TraceGraph, traces, *, unroll: bool = True, timed: bool = True,
     if graph.num_traces == 0:
         raise ValueError("lower: the TraceGraph has no traces")
     t0 = time.perf_counter()
-    an = _Analysis(graph, traces)
+    an = _Analysis(graph, traces, fuse, commit, shapes_known)
     lw = _Lowering(an, unroll, timed, commit, shapes_known)
     gated = {}
     channel = FeedChannel(tf.bool, [], name="terra_commit", timed=False) \
@@ -864,4 +952,4 @@ def lower(graph: TraceGraph, traces, *, unroll: bool = True, timed: bool = True,
     return Lowered(graph, concrete, lw.feeds, lw.feed_points, lw.case_selects, lw.loop_conds,
                    lw.unrolled, lw.fetches, an.plans, time.perf_counter() - t0, stats,
                    channel if dependent is not None else None, dependent or frozenset(),
-                   an.derived)
+                   an.derived, an.runs)

@@ -167,3 +167,25 @@ def test_a_function_call_leaves_the_graph_ungated():
     assert commit.record_types(records[:1])(1) is None
     assert commit.record_types({7: records[0]})(7) == "MatMul"
     assert commit.record_types({7: records[0], 8: records[1]}) is None
+
+
+def test_record_kind_judges_a_record_before_any_graph():
+    """`record_kind` says (writes, can fail) of a recorded op as `fallible` would of its graph
+    op, or more conservatively (the fusion of a gated site graph's switch-cases relies on it)."""
+    from terra.compiler.commit import record_kind
+    from terra.ir.records import ConstRef, Location, OpRecord, OutputRef, TensorSpec, VariableRef
+    loc = Location(frames=())
+
+    def rec(op_type, inputs, dtype="float32"):
+        return OpRecord(0, op_type, (), tuple(inputs), (TensorSpec(dtype, (2,)),), loc)
+    x = OutputRef(0)
+    assert record_kind(rec("AssignVariableOp", [VariableRef(1), x])) == (True, False)
+    assert record_kind(rec("ReadVariableOp", [VariableRef(1)])) == (False, False)
+    assert record_kind(rec("GatherV2", [x, x, x])) == (False, True)
+    assert record_kind(rec("Mul", [x, x])) == (False, False)
+    assert record_kind(rec("Mul", [x, x]), shapes_defined=False) == (False, True)
+    assert record_kind(rec("FloorDiv", [x, x], "int32")) == (False, True)
+    assert record_kind(rec("FloorDiv", [x, x])) == (False, False)
+    c = ConstRef(value=[0], dtype="int32")
+    assert record_kind(rec("StridedSlice", [x, c, c, c])) == (False, False)
+    assert record_kind(rec("StridedSlice", [x, c, x, c])) == (False, True)

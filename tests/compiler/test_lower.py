@@ -393,8 +393,8 @@ def test_derived_select_lowering():
         trace, _ = record(step_two_branches, s, _x(rng), a, b)
         graph = merge(graph, trace)
         traces.append(trace)
-    lw = lower(graph, traces)
-    assert lw.stats["switch_case_ops"] == 2
+    lw = lower(graph, traces, fuse=0)
+    assert lw.stats["switch_case_ops"] == 2 and lw.runs == ()
     ((key, (j, table)),) = lw.derived_selects.items()
     assert list(lw.case_selects) == [(TOP, j)] and key[0] == TOP and key[1] > j
     assert table == (0, 1) and f"(index from s{j + 1})" in lw.describe()
@@ -402,3 +402,26 @@ def test_derived_select_lowering():
     assert merge(graph, trace) is not None and lw.match(trace) is None
     trace, _ = record(step_two_branches, s, _x(rng), 1, 1)
     assert lw.match(trace) is not None
+
+
+# ----------------------------------------------------------------------- switch-case fusion
+def test_switch_cases_on_one_select_fuse_across_a_shared_block():
+    """Paths (0, 0) and (1, 1): the two switch-cases (relu | tanh, then + 1 | square) take their
+    cases from one select, and the shared `* 3` between them is one node, so they are one
+    `switch_case` whose branches run relu, * 3, + 1 and tanh, * 3, square; the runs equal eager
+    bit for bit. With `fuse=0` the shared block stays between two switch-cases."""
+    rng = np.random.default_rng(5)
+    cfgs = [(0, 0), (1, 1), (0, 0), (1, 1), (1, 1), (0, 0), (0, 0), (1, 1)]
+    run = _run(lambda: Vars(v=(3, 3)), step_two_branches, [(_x(rng),) + c for c in cfgs])
+    assert run.lowerings == 1 and run.driven == 5
+    lw = run.lowered
+    (r,) = lw.runs
+    assert r.driver == r.members[0] and r.width == 2 and len(r.members) == 3
+    assert lw.stats["switch_case_ops"] == 1 and len(lw.case_selects) == 1
+    assert set(lw.derived_selects) == {(TOP, r.members[-1])}
+    assert f"in {r!r}" in lw.describe()
+    # the shared `Mul` is copied into both branches: one more TF op than without fusion
+    unfused = lower(run.graph, run.traces, fuse=0)
+    assert unfused.stats["switch_case_ops"] == 2 and unfused.runs == ()
+    mul = [n.op for n in _all_ops(lw.function) if n.op == "Mul"]
+    assert len(mul) == len([n for n in _all_ops(unfused.function) if n.op == "Mul"]) + 1

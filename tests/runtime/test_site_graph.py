@@ -556,3 +556,24 @@ def test_an_error_inside_a_branch_of_the_gated_site_graph_is_eagers(takes):
     # no run snapshotted before it started; the only snapshots are early commits where a
     # path graph's run is waited for at its path's last op (`Iteration.wait_run`)
     assert takes[0] == terra.stats()["commit_snapshots"], explain
+
+
+def test_the_heads_updates_fuse_into_one_switch_case_per_stretch(takes):
+    """sequential_heads: the SGD update writes each head's variables in a switch-case of its
+    own, between shared blocks (a library loop and a `Mul`), all following the head's select;
+    fused (compiler/fuse.py) the site graph has 2 `switch_case` ops, not 5, stays gated (no
+    snapshot per run) and equal to eager."""
+    from terra.compiler.lower import lower
+    eager = sequential_heads(tf.GradientTape)
+    got, stats, explain = _terra_run(sequential_heads, True)
+    _assert_same(got, eager, "sequential_heads")
+    lw = _site_graph()
+    (site,) = SESSION.sites.values()
+    unfused = lower(lw.graph, site.site_graph.traces, commit=True, shapes_known=True, fuse=0)
+    (run,) = lw.runs
+    assert (run.width, len(run.members)) == (3, 7) and run.driver < run.members[0], lw.describe()
+    assert (lw.stats["switch_case_ops"], unfused.stats["switch_case_ops"]) == (2, 5)
+    assert lw.stats["tf_ops"] < unfused.stats["tf_ops"]
+    assert lw.commit_channel is not None and unfused.commit_channel is not None, explain
+    assert (stats["case_switches"], stats["path_switches"]) == SWITCHES["sequential_heads"][1:]
+    assert takes[0] == stats["commit_snapshots"] == 0, explain
