@@ -28,7 +28,7 @@ import time
 from tensorflow.core.protobuf import rewriter_config_pb2
 
 from terra.compiler.plan import Planner
-from terra.compiler.lower import lower
+from terra.compiler.lower import FUSE_MAX_SHARED, lower
 from terra.compiler.merge import merge
 from terra.compiler.shapes import unknown_shapes
 from terra.ir.records import Fetch, Trace
@@ -140,11 +140,12 @@ class SiteGraph:
     run_config = staticmethod(_no_remapper)
 
     def __init__(self, paths, timed: bool = True, previous: "SiteGraph | None" = None,
-                 traces=None, key=None):
+                 traces=None, key=None, fuse: int = FUSE_MAX_SHARED):
         """`previous`: the site's last SiteGraph; when its paths (as they were) are the first of
         `paths`, its TraceGraph is extended with the new paths' traces instead of merging every
         trace again. `traces` and `key`: `site_trace` of each path and `key_of(paths)`, if
-        taken already (a build on the builder thread takes them when it is submitted)."""
+        taken already (a build on the builder thread takes them when it is submitted).
+        `fuse`: `lower`'s switch-case fusion limit (0: none; benchmarks compare)."""
         t0 = time.perf_counter()
         self.paths = list(paths)
         self.built_for = key if key is not None else self.key_of(self.paths)
@@ -161,7 +162,8 @@ class SiteGraph:
         self.traces = traces
         self.merged_traces = len(traces) - start  # (tests: what a rebuild merged)
         self.lowered = lower(g, traces, timed=timed, commit=CONFIG.commit_writes,
-                             shapes_known=CONFIG.commit_writes and _shapes_known(self.paths))
+                             shapes_known=CONFIG.commit_writes and _shapes_known(self.paths),
+                             fuse=fuse)
         self.concrete = self.lowered.function
         self.plans = {id(p): SitePlan(self.lowered, t, p, tid=k)
                       for k, (p, t) in enumerate(zip(self.paths, traces))}
