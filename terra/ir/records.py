@@ -69,6 +69,10 @@ class Location:
 # library code (TF, Keras, site-packages)); filled as labels are made (terra/tracing/locations.py).
 FRAME_LINES: dict = {}
 
+# Frame label -> (full file name, line, function name, whether library code): where a traceback
+# shows the frame (terra/runtime/user_traceback.py).
+FRAME_SOURCES: dict = {}
+
 # Frame label -> bytecode offsets where the `try` blocks with an `except` clause that enclose the
 # frame's call in flight begin (program frames only; library frames: ()); filled with FRAME_LINES.
 # An op issued inside such a block must raise its error there (terra/runtime/python_runner.py).

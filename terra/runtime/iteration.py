@@ -16,6 +16,7 @@ from terra.ir.records import FeedRef, OutputRef
 from terra.runtime.fallback import EagerReplay, Snapshot, bind_placeholders
 from terra.runtime.executable import Executable, PathRun
 from terra.runtime.graph_runner import extended_error
+from terra.runtime.user_traceback import at_recorded_line
 from terra.runtime.iteration_end import IterationEnd
 from terra.runtime.placeholders import Placeholder
 from terra.runtime.divergence import GRAPH_ERROR, Divergence, DivergenceKind, user_line
@@ -516,4 +517,4 @@ def with_location(error, it, index, late=False):
              f"{rec.location.describe()} in iteration {it.number} at {it.site.label}")
     if late:
         extra += "; it ran after that iteration's last sync point, so it surfaces here"
-    return extended_error(error, extra, index)
+    return at_recorded_line(extended_error(error, extra, index), rec.location)

@@ -37,7 +37,8 @@ import sys
 import sysconfig
 import warnings
 
-from terra.ir.records import FRAME_LINES, FRAME_LOOPS, FRAME_TRIES, Location, LoopIter
+from terra.ir.records import FRAME_LINES, FRAME_LOOPS, FRAME_SOURCES, FRAME_TRIES, Location, \
+    LoopIter
 
 _TERRA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _LIBRARY_DIRS = tuple(sorted({os.path.realpath(p) + os.sep for key in ("stdlib", "platstdlib",
@@ -585,8 +586,10 @@ def _build(key) -> Location:
         label = _frame_labels.get((info, lasti))
         if label is None:
             label = _frame_labels[(info, lasti)] = f"{info.label}@{lasti}"
-            FRAME_LINES[label] = (f"{info.file}:{_line(info.code, lasti)} ({info.name})",
-                                  info.library)
+            line = _line(info.code, lasti)
+            FRAME_LINES[label] = (f"{info.file}:{line} ({info.name})", info.library)
+            FRAME_SOURCES[label] = (info.code.co_filename, line, info.code.co_name,
+                                    info.library)
             FRAME_TRIES[label] = () if info.library else except_regions(info.code, lasti)
             FRAME_LOOPS[label] = max((start for start, end, _ in info.loops
                                       if start <= lasti <= end), default=None)

@@ -535,9 +535,10 @@ def _branch_error(Tape, steps=14, bad=10):
 def test_an_error_inside_a_branch_of_the_gated_site_graph_is_eagers(takes):
     """The gather inside a `switch_case` branch fails in a site-graph run: the run wrote
     nothing (its writes wait for the commit, and the commit for the gather), the iteration
-    replays eagerly and raises eager's exception type in the same iteration, naming eager's
-    line (raised at the sync point that found the failure: Python had passed the gather),
-    with eager's state."""
+    replays eagerly and raises eager's exception type in the same iteration, with eager's state;
+    its message names eager's line, and so does its traceback's last program frame (raised at
+    the sync point that found the failure, after Python had passed the gather, it ends in an
+    entry for the gather's line: runtime/user_traceback.py)."""
     eager = _branch_error(tf.GradientTape)
     got = _branch_error(tf.TerraGradientTape)
     terra.end_iteration()
@@ -546,7 +547,7 @@ def test_an_error_inside_a_branch_of_the_gated_site_graph_is_eagers(takes):
     ((got_step, got_kind, got_line, message),) = got[1]
     assert (got_step, got_kind) == (step, kind) == (10, tf.errors.InvalidArgumentError)
     assert f"GatherV2 recorded at test_site_graph.py:{line} " in message, message
-    assert got_line > line, got_line  # (the float(loss) or the line the graph's failure met)
+    assert got_line == line, got_line
     np.testing.assert_allclose(got[0], eager[0], rtol=1e-5, atol=1e-7)
     for a, b in zip(got[2], eager[2]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
