@@ -22,7 +22,7 @@ from terra.runtime.path_graph import PathGraph, skip_fetch_points
 from terra.runtime.path_view import PathView
 from terra.runtime.shape_groups import (Relaxed, ShapeGroup, covers_open, derive,
                                         member_values, relax, rules_hold, speculate)
-from terra.runtime.site_graph import SiteGraph, site_trace
+from terra.runtime.site_graph import SiteGraph, joined_order, site_trace
 from terra.runtime.sites import (Path, reads_feed_values, renamed_path,
                                  variable_renaming)
 
@@ -385,8 +385,8 @@ class Builds:
         PathGraphs (said in explain())."""
         if not CONFIG.site_graph:
             return
-        paths = [p for p in site.paths.values() if p.graph is not None and not p.stale and
-                 p.view is not None]
+        paths = joined_order([p for p in site.paths.values() if p.graph is not None and
+                              not p.stale and p.view is not None], site.site_graph)
         if len(paths) < 2:
             return
         key = SiteGraph.key_of(paths)
@@ -436,8 +436,8 @@ class Builds:
             self._no_site_graph(site, job.number, job.key, len(job.key), error)
             return
         sg = job.future.result()
-        paths = [p for p in site.paths.values() if p.graph is not None and not p.stale and
-                 p.view is not None]
+        paths = joined_order([p for p in site.paths.values() if p.graph is not None and
+                              not p.stale and p.view is not None], site.site_graph)
         if SiteGraph.key_of(paths) == job.key:
             self._use_site_graph(site, job.number, sg, f" on the builder thread, in use from "
                                  f"iteration {self.counters.iterations + 1}")

@@ -38,7 +38,7 @@ from terra.runtime.executable import Executable, PathRun, token
 from terra.runtime.fallback import Snapshot, written_variables
 from terra.runtime.placeholders import Placeholder
 
-__all__ = ["SiteGraph", "SitePlan", "SiteRun", "site_trace"]
+__all__ = ["SiteGraph", "SitePlan", "SiteRun", "joined_order", "site_trace"]
 
 
 def site_trace(path) -> Trace:
@@ -56,6 +56,17 @@ def site_trace(path) -> Trace:
     return Trace(t.site, list(t.records), list(t.feeds), list(t.feed_values), ordered,
                  dict(t.variables), list(t.unsupported), dict(t.functions),
                  list(t.unseeded_random), list(t.fast_fallbacks))
+
+
+def joined_order(paths, previous: "SiteGraph | None") -> list:
+    """`paths` with those of the site's last SiteGraph first, in its order, then the others as
+    given: that graph's TraceGraph is then a prefix of the next one's, which extends it by the
+    new paths' traces instead of merging every trace again (a path first seen early but
+    compiled late came first in the site's order: on sdpoint 3 of 9 rebuilds merged all)."""
+    if previous is None:
+        return list(paths)
+    rank = {id(p): k for k, p in enumerate(previous.paths)}
+    return sorted(paths, key=lambda p: rank.get(id(p), len(rank)))
 
 
 class SitePlan:
