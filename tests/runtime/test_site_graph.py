@@ -595,3 +595,27 @@ def test_the_heads_updates_fuse_into_one_switch_case_per_stretch(takes):
     assert lw.commit_channel is not None and unfused.commit_channel is not None, explain
     assert (stats["case_switches"], stats["path_switches"]) == SWITCHES["sequential_heads"][1:]
     assert takes[0] == stats["commit_snapshots"] == 0, explain
+
+
+def test_a_random_depth_among_thirteen_is_one_site_graph():
+    """A Python-random depth among 13 (a loop of 0-12 passes; 12 of them drawn in 40 steps):
+    equal to eager with path graphs and with the site graph. With path graphs every change of
+    depth restarts (40); the site graph, rebuilt as paths are compiled (10 of them in it at
+    the end), switches by Case-Select (35) and restarts only onto paths it does not hold yet."""
+    from tests.runtime.test_new_paths import _random_depth
+    eager = _random_depth(tf.GradientTape, 13, steps=40)
+    assert len(set(eager[2])) == 12
+    keys = ("traces", "new_paths", "graph_builds", "fallbacks", "path_switches",
+            "case_switches")
+    counts = {}
+    for on in (False, True):
+        terra.reset()
+        terra.config(site_graph=on)
+        got = _random_depth(tf.TerraGradientTape, 13, steps=40)
+        terra.end_iteration()
+        assert got[0] == eager[0] and np.array_equal(got[1], eager[1]), on
+        counts[on] = tuple(terra.stats()[k] for k in keys)
+    explain = terra.explain()
+    assert counts[False] == (17, 12, 10, 13, 40, 0), counts
+    assert counts[True] == (17, 12, 19, 13, 5, 35), (counts, explain)
+    assert "site graph over 10 paths" in explain, explain
