@@ -7,6 +7,7 @@ sync point, variables exactly as eager leaves them at the error)."""
 import os
 import re
 import time
+import traceback
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -164,7 +165,9 @@ def _late_error_program(Tape, steps=9, bad=6, last=False, loop_try=False):
 
     def caught(i, e):
         nonlocal at_error
-        errors.append((i, str(e)))
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
+                 if f.filename == __file__]
+        errors.append((i, str(e), lines[-1]))
         if at_error is None:
             at_error = [v.numpy() for v in model.variables] + [shift.numpy(), table.numpy()]
 
@@ -195,12 +198,13 @@ def test_an_error_in_a_step_try_is_raised_at_that_step(overlap, last):
     t_losses, t_errors, t_at, t_final = _late_error_program(tf.TerraGradientTape, last=last)
     terra.end_iteration()
     explain = terra.explain()
-    assert [i for i, _ in e_errors] == [6]
-    assert [i for i, _ in t_errors] == [6], (t_errors, explain)
+    assert [i for i, *_ in e_errors] == [6]
+    assert [i for i, *_ in t_errors] == [6], (t_errors, explain)
     assert "terra: raised by op" in t_errors[0][1], t_errors
     line = int(re.search(r"test_overlap\.py:(\d+) \((?:\w+\.<locals>\.)?step\)", t_errors[0][1])[1])
     assert ("scatter_nd_update" if last else "tf.gather(table") in \
         open(__file__).read().splitlines()[line - 1]
+    assert t_errors[0][2] == e_errors[0][2] == line, (t_errors, e_errors)
     np.testing.assert_allclose(t_losses, e_losses, rtol=1e-5, atol=1e-7)
     for a, b in zip(t_at + t_final, e_at + e_final):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -215,7 +219,7 @@ def test_error_after_the_last_sync_point_surfaces_at_the_next_one(overlap, last)
                                                             loop_try=True)
     terra.end_iteration()
     explain = terra.explain()
-    assert [i for i, _ in e_errors] == [6]
+    assert [i for i, *_ in e_errors] == [6]
     # raised once: in iteration 6 if Python still issued an op of it after the graph failed,
     # else in iteration 7 (the program had left iteration 6 already)
     assert len(t_errors) == 1 and t_errors[0][0] in ((7,) if last else (6, 7)), \
@@ -227,6 +231,8 @@ def test_error_after_the_last_sync_point_surfaces_at_the_next_one(overlap, last)
     line = int(re.search(r"test_overlap\.py:(\d+) \((?:\w+\.<locals>\.)?step\)", t_errors[0][1])[1])
     assert ("scatter_nd_update" if last else "tf.gather(table") in \
         open(__file__).read().splitlines()[line - 1]
+    # the traceback ends at the failing op's line, as eager's (runtime/user_traceback.py)
+    assert t_errors[0][2] == e_errors[0][2] == line, (t_errors, e_errors)
     # the variables are exactly what eager leaves at the error (iteration 7 wrote nothing yet)
     for a, b in zip(t_at, e_at):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
