@@ -22,7 +22,7 @@ from terra.runtime.path_graph import PathGraph, skip_fetch_points
 from terra.runtime.path_view import PathView
 from terra.runtime.shape_groups import (Relaxed, ShapeGroup, covers_open, derive,
                                         member_values, relax, rules_hold, speculate)
-from terra.runtime.site_graph import SiteGraph, joined_order, site_trace
+from terra.runtime.site_graph import SiteGraph, joined_order, site_paths, site_trace
 from terra.runtime.sites import (Path, reads_feed_values, renamed_path,
                                  variable_renaming)
 
@@ -123,7 +123,7 @@ class Builds:
         other size then joins the group at its first trace with no build (`join_group`),
         instead of a group built for both then. A site with one path so far (a static resize)
         keeps its sizes constant in its graph."""
-        if not (CONFIG.speculation and CONFIG.shape_groups) or CONFIG.site_graph or \
+        if not (CONFIG.speculation and CONFIG.shape_groups) or \
                 path.why_uncompilable() or reads_feed_values(path.units) or \
                 not any(q is not path and not q.why_uncompilable()
                         for q in site.paths.values()):
@@ -239,6 +239,7 @@ class Builds:
         with self.internal(), widened(CONFIG.tracing_gc_threshold):
             gp = g.path
             gp.trace = g.relaxed.trace
+            gp.__dict__["group_of"] = g  # (its name in a site graph's explain() line)
             gp.__dict__.pop("static", None)
             fetch_points, liveouts, shape_reads = {}, set(), {}
             for m in g.members:
@@ -293,6 +294,7 @@ class Builds:
                    f"{', '.join(f'p{m.id}' for m in g.members)}; {g.dims()}): "
                    f"{len(gp.trace.records)} ops, {len(graph.feed_channels)} feeds, "
                    f"{len(graph.fetch_channels)} fetches, {time.perf_counter() - t:.2f} s")
+        self.site_graph(site, number)
 
     def install(self, site, path, graph, key, number, seconds, where="") -> None:
         """`graph`, built for the path state `key`, becomes `path`'s."""
@@ -385,8 +387,7 @@ class Builds:
         PathGraphs (said in explain())."""
         if not CONFIG.site_graph:
             return
-        paths = joined_order([p for p in site.paths.values() if p.graph is not None and
-                              not p.stale and p.view is not None], site.site_graph)
+        paths = joined_order(site_paths(site), site.site_graph)
         if len(paths) < 2:
             return
         key = SiteGraph.key_of(paths)
@@ -436,8 +437,7 @@ class Builds:
             self._no_site_graph(site, job.number, job.key, len(job.key), error)
             return
         sg = job.future.result()
-        paths = joined_order([p for p in site.paths.values() if p.graph is not None and
-                              not p.stale and p.view is not None], site.site_graph)
+        paths = joined_order(site_paths(site), site.site_graph)
         if SiteGraph.key_of(paths) == job.key:
             self._use_site_graph(site, job.number, sg, f" on the builder thread, in use from "
                                  f"iteration {self.counters.iterations + 1}")

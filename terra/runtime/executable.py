@@ -30,6 +30,9 @@ class Executable:
     waits_at_end = False    # its run can end once the path's last op matched (no puts left)
     holds = False           # its start (and Python's puts) may wait until the path is certain
     commits = False         # its writes wait for `put_commit` (no snapshot before the run)
+    # a shape group's member may run with shapes no member was traced with: the group's graph
+    # computes the shape constants it derives (shape_groups.derive) from the shapes it holds
+    takes_other_shapes = False
 
     @property
     def function(self):
@@ -149,6 +152,7 @@ class PathRun(Executable):
 
     learns_fetches = True
     allows_pure_tail = True
+    takes_other_shapes = True
     waits_at_end = True
     holds = True
 

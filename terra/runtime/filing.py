@@ -108,7 +108,7 @@ class Filing:
             site.known_fallbacks += 1
             detail += "; a known path after compiled iterations: not held against max_fallbacks"
         self._event(EventKind.TRACE, site, it.number, detail, "")
-        if new and why is None and CONFIG.shape_groups and not CONFIG.site_graph and \
+        if new and why is None and CONFIG.shape_groups and \
                 self._builds.join_group(site, path, it.number) == "reuse" and \
                 it.fallback_gap is not None:
             # a new shape on a group's graph costs this trace and no build: bounded per shape

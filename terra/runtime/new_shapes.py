@@ -36,7 +36,8 @@ class NewShapes:
         other ops for it)."""
         path = self.iteration.path
         group = path.group
-        if group is None or self.view is not path.view:
+        if group is None or self.view is not path.view or \
+                not self.iteration.exe.takes_other_shapes:
             return False
         want = group.relaxed.trace.feeds[slot].spec
         if want.dtype != dtype or want.shape is None or len(want.shape) != len(shape) or \

@@ -261,7 +261,7 @@ class Session:
             it.runner = PythonRunner(it, path.view)
             sg = site.site_graph
             plan = sg.plan_of(path) if sg is not None and CONFIG.site_graph else None
-            it.use(SiteRun(sg, plan, it.runner) if plan is not None else PathRun(path))
+            it.use(SiteRun(sg, plan, it.runner, path) if plan is not None else PathRun(path))
             it.predicted = True
             it.hold_for(path)
             if CONFIG.coexecution and it.exe.starts_early():

@@ -14,6 +14,13 @@ events at the end are performed when the iteration finishes. Two paths whose rec
 agree before op k have put the same values into the graph: at a divergence at op k the session
 swaps the plan and goes on without touching the run (`Session.case_switches`).
 
+A shape group (shape_groups.py) is one path here: its relaxed trace is lowered once
+(`lowered_as`, `site_paths`), each shape constant a feed; a member runs the group's plan and puts
+its own constants (`member_constants`), which skip mode checked against its records, so the
+member's shapes hold on every value. It runs only its traced lengths here: the constants a
+group's own graph computes from shapes are put as the member traced them
+(`Executable.takes_other_shapes`).
+
 Live-outs (values the program keeps past the iteration) are fetch points at the end of the trace
 (the lowered function returns nothing). A fetch channel receives one element per visit of its
 node; a `SiteRun` counts what it took per channel, keeps the values of skipped elements (a later
@@ -24,6 +31,9 @@ from __future__ import annotations
 
 import bisect
 import time
+
+import numpy as np
+import tensorflow as tf
 
 from tensorflow.core.protobuf import rewriter_config_pb2
 
@@ -38,7 +48,33 @@ from terra.runtime.executable import Executable, PathRun, token
 from terra.runtime.fallback import Snapshot, written_variables
 from terra.runtime.placeholders import Placeholder
 
-__all__ = ["SiteGraph", "SitePlan", "SiteRun", "joined_order", "site_trace"]
+__all__ = ["SiteGraph", "SitePlan", "SiteRun", "joined_order", "lowered_as", "site_paths",
+           "site_trace"]
+
+
+def lowered_as(path):
+    """What a site graph lowers for compiled path `path`: the path itself, or, for a member of
+    a shape group that runs the group's graph (shape_groups.py), the group's own path over its
+    relaxed trace, shared by every member (each puts its own shape constants)."""
+    g = path.group
+    if g is not None and g.graph is not None and path.graph is g.graph and \
+            g.path.view is not None:
+        return g.path
+    return path
+
+
+def site_paths(site) -> list:
+    """The paths a site graph of `site` lowers, in the site's order: each compiled path once,
+    a shape group's members as their group's path (`lowered_as`)."""
+    out, seen = [], set()
+    for p in site.paths.values():
+        if p.graph is None or p.stale or p.view is None:
+            continue
+        q = lowered_as(p)
+        if id(q) not in seen:
+            seen.add(id(q))
+            out.append(q)
+    return out
 
 
 def site_trace(path) -> Trace:
@@ -84,6 +120,7 @@ class SitePlan:
         p = Planner(lowered, trace, tid=tid)  # (`tid`: the lowered graph's own trace `tid`)
         events = [ev for ev in p.run() if ev.kind != "get"]
         self.path = path
+        self.source = path.graph  # (a shape group's path gets another when its group rebuilds)
         self.n = len(trace.records)
         self.liveouts = frozenset(path.liveouts)
         self.sig = [(ev.kind, ev.key, ev.value, ev.at) for ev in events]
@@ -191,11 +228,21 @@ class SiteGraph:
 
     @staticmethod
     def key_of(paths) -> tuple:
-        """What the graph depends on: each path with the live-outs and fetch points it had."""
-        return tuple((id(p), frozenset(p.liveouts), frozenset(p.fetch_points)) for p in paths)
+        """What the graph depends on: each path with its own graph (a shape group's path gets a
+        new one when a member relaxes its trace beyond what the group's graph takes), live-outs
+        and fetch points as they were. A member that joins a group's graph with no build
+        (`ShapeGroup.speculative`, `covers_open`) needs no new site graph either: the site
+        graph lowers the same records, and its inference leaves open every dimension the
+        group's graph leaves open (its values' shapes are the records', merged across paths)."""
+        return tuple((id(p), id(p.graph), frozenset(p.liveouts), frozenset(p.fetch_points))
+                     for p in paths)
 
     def plan_of(self, path):
-        return self.plans.get(id(path))
+        """The plan that runs `path`: its own, or its shape group's (`lowered_as`) as lowered
+        here (None if the group's graph was rebuilt since)."""
+        q = lowered_as(path)
+        plan = self.plans.get(id(q))
+        return plan if plan is not None and plan.source is q.graph else None
 
     def drain(self, fetched=None) -> None:
         """Empty every channel (no run of this graph pending or running)."""
@@ -215,7 +262,7 @@ class SiteGraph:
 
     def describe(self) -> str:
         s = self.lowered.stats
-        return (f"{len(self.paths)} paths (" + ", ".join(f"p{p.id}" for p in self.paths) +
+        return (f"{len(self.paths)} paths (" + ", ".join(_name(p) for p in self.paths) +
                 f"), {s.get('tf_ops', '?')} TF ops, {s.get('switch_case_ops', 0)} switch_case, "
                 f"{s.get('while_ops', 0)} while, {len(self.lowered.feeds)} feeds, "
                 f"{len(self.lowered.case_selects)} case selects, "
@@ -226,8 +273,12 @@ class SiteRun(Executable):
     """One iteration's Python side on a SiteGraph: events performed, elements taken (an
     `Executable`, terra/runtime/executable.py)."""
 
-    def __init__(self, graph: SiteGraph, plan: SitePlan, runner):
+    def __init__(self, graph: SiteGraph, plan: SitePlan, runner, path=None):
         self.graph, self.plan, self.runner = graph, plan, runner
+        # the path Python is on: a shape group's member runs its group's plan and puts its own
+        # shape constants (slot -> tensor), which no op of Python feeds
+        self.member = plan.path if path is None else path
+        self.constants = member_constants(self.member) if self.member is not plan.path else {}
         self.done = 0          # events of `plan` performed
         self.taken: dict = {}  # fetch key -> elements taken this iteration
         self.values: dict = {}  # (fetch key, visit) -> value taken
@@ -276,14 +327,30 @@ class SiteRun(Executable):
         plan = self.graph.plan_of(path)
         if plan is not None and self.done == self.plan.count_before(pos) and \
                 self.plan.agrees(plan, pos):
-            self.plan = plan
+            constants = member_constants(path) if path is not plan.path else {}
+            if not self._same_constants_put(constants):
+                return False
+            self.plan, self.member, self.constants = plan, path, constants
             self.due = self._due()
             return True
         return False
 
+    def _same_constants_put(self, constants) -> bool:
+        """Whether the shape constants put so far are those `constants` (another member's)
+        would have put: two members of a group agree on their records up to a divergence, so
+        up to it on the constants they consumed, but a constant is put where Python knows it,
+        which the plan may place before its consumer."""
+        for _, kind, _, slot in self.plan.actions[:self.done]:
+            if kind == "feed" and slot in self.constants:
+                other = constants.get(slot)
+                if other is None or not np.array_equal(other.numpy(),
+                                                       self.constants[slot].numpy()):
+                    return False
+        return True
+
     def on_path(self, path, runner) -> Executable:
         plan = self.graph.plan_of(path)
-        return SiteRun(self.graph, plan, runner) if plan is not None else PathRun(path)
+        return SiteRun(self.graph, plan, runner, path) if plan is not None else PathRun(path)
 
     def replay_puts(self, runner, pos, put_feed) -> None:
         self.advance(pos)
@@ -317,6 +384,11 @@ class SiteRun(Executable):
             if at >= pos:
                 break
             if kind == "feed":
+                constant = self.constants.get(value)
+                if constant is not None:
+                    ch.put(constant)
+                    i += 1
+                    continue
                 if value not in fed:
                     self.done = i
                     self.due = at
@@ -339,7 +411,10 @@ class SiteRun(Executable):
 
     def static_shape(self, ref):
         # the path's own graph (every path of a site graph has one) infers its shapes from the
-        # path's feed signature, which skip mode checks
+        # path's feed signature, which skip mode checks; a shape group's member claims its own
+        # recorded shapes (the group's graph relaxes them)
+        if self.member is not self.plan.path:
+            return self.member.group.static_shape(self.member, ref)
         graph = self.plan.path.graph
         return None if graph is None else graph.shapes.get(ref)
 
@@ -373,3 +448,21 @@ class SiteRun(Executable):
             if left > 0:
                 stale[key] = stale.get(key, 0) + left
         self.taken = {key: n for key, n in self.plan.visits.items()}
+
+
+def _name(path) -> str:
+    """A lowered path for explain(): `p3`, or a shape group's path as `g1 (p2+p5)`."""
+    group = path.__dict__.get("group_of")
+    if group is None:
+        return f"p{path.id}"
+    return f"g{group.id} (" + "+".join(f"p{m.id}" for m in group.members) + ")"
+
+
+def member_constants(path) -> dict:
+    """`{slot: tensor}` of the shape constants shape-group member `path` puts on a site graph
+    (its `group_values`, made tensors once per set of values)."""
+    cached = path.__dict__.get("_site_constants")
+    if cached is None or cached[0] is not path.group_values:
+        cached = path.__dict__["_site_constants"] = (
+            path.group_values, {slot: tf.constant(v) for slot, v in path.group_values.items()})
+    return cached[1]

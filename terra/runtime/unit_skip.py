@@ -210,6 +210,7 @@ class UnitSkipping:
         path = self.iteration.path
         group = path.group
         if group is None or group.graph is None or path.graph is not group.graph or \
+                not self.iteration.exe.takes_other_shapes or \
                 self.view is not path.view or not group.takes_shape(ref, traced, shape) or \
                 not group.computes_constants_of(unit):
             return False

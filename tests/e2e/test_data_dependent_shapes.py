@@ -70,13 +70,9 @@ def test_boolean_mask_shape_read_by_python_and_by_the_gradient():
                 loss = tf.reduce_sum(picked ** 2)
             v.assign_sub(0.01 * tape.gradient(loss, v))
         return sizes, v.numpy().tolist()
-    c = _both(program)
-    if terra.config()["site_graph"]:  # (no shape groups beside the site graph)
-        c.assert_counts(traces=4, graph_builds=2, fallbacks=1)
-        assert "no site graph" in terra.explain()
-    else:
-        c.assert_counts(traces=2, graph_builds=1, fallbacks=0)
-        assert "shape group g0" in terra.explain()
+    # (with the site graph too: one group is one graph, which needs no site graph)
+    _both(program).assert_counts(traces=2, graph_builds=1, fallbacks=0)
+    assert "shape group g0" in terra.explain()
 
 
 def test_unique_and_nms_in_the_forward_with_a_gradient_through_the_kept_boxes():
@@ -144,13 +140,9 @@ def test_mask_size_set_by_the_data_alternates_between_two_traced_paths():
             v.assign_sub(0.01 * tape.gradient(loss, v))
             out.append(float(loss))
         return out, v.numpy().tolist()
-    c = _both(program)
-    if terra.config()["site_graph"]:  # (no shape groups beside the site graph)
-        c.assert_counts(traces=3, graph_builds=2, fallbacks=1, path_switches=2)
-    else:
-        c.assert_counts(traces=3, graph_builds=2, fallbacks=1, path_switches=0)
-        (g,) = [g for s in SESSION.sites.values() for g in s.shape_groups]
-        assert set(g.derived) == set(g.relaxed.const_sites)
+    _both(program).assert_counts(traces=3, graph_builds=2, fallbacks=1, path_switches=0)
+    (g,) = [g for s in SESSION.sites.values() for g in s.shape_groups]
+    assert set(g.derived) == set(g.relaxed.const_sites)
 
 
 def test_a_python_read_of_a_data_dependent_length_is_this_iterations():
@@ -174,14 +166,10 @@ def test_a_python_read_of_a_data_dependent_length_is_this_iterations():
             v.assign_sub(0.1 * tf.convert_to_tensor(grad))
             out.append((n, float(loss), type(grad).__name__))
         return out, v.numpy().tolist()
-    c = _both(program)
-    if terra.config()["site_graph"]:  # (no shape groups: a path per count, gated units)
-        c.assert_counts(traces=6, graph_builds=3, fallbacks=2)
-    else:
-        # counts 4 and 3 form a shape group, whose graph fetches the count from its first
-        # build; count 0 (a special case of TF's Python) is traced and joins it with no build;
-        # from then on every step runs the group's graph
-        c.assert_counts(traces=3, graph_builds=1, fallbacks=1)
+    # counts 4 and 3 form a shape group, whose graph fetches the count from its first build;
+    # count 0 (a special case of TF's Python) is traced and joins it with no build; from then
+    # on every step runs the group's graph (with the site graph too: one group needs none)
+    _both(program).assert_counts(traces=3, graph_builds=1, fallbacks=1)
 
 
 def _selected_rows(Tape, counts, steps):
@@ -222,17 +210,11 @@ def test_every_count_runs_on_one_graph_that_computes_the_gradients_constants():
     with CompileCounter() as c:
         got = _selected_rows(tf.TerraGradientTape, counts, 30)
     assert got == eager, terra.explain()
-    if terra.config()["site_graph"]:
-        # no shape groups beside the site graph: a path per count, and the Dense layers'
-        # units gated on their input's count. A count whose check fails falls back there (it
-        # used to match the layer's ops one by one, whose gated graph ops never ran: a read of
-        # one waited until timeout_s)
-        c.assert_counts(traces=13, graph_builds=6, fallbacks=5)
-        return
     # counts 5 and 3 form the group, whose graph fetches the gathered lengths Python read
     # while traced (`Trace.shape_reads`); 8 runs on it; 1 is traced and joins the group as a
     # member of its own (a rebuild); 6 and 2 run on the graph, and so does every count from
-    # then on (learning the two reads cost two more traces, fallbacks and builds)
+    # then on (learning the two reads cost two more traces, fallbacks and builds); with the
+    # site graph too (one group needs none)
     c.assert_counts(traces=3, graph_builds=2, fallbacks=1, graph_reuses=0)
     (g,) = [g for s in SESSION.sites.values() for g in s.shape_groups]
     assert set(g.derived) == set(g.relaxed.const_sites) and len(g.derived) == 3

@@ -325,20 +325,32 @@ def test_graph_error_after_the_last_sync_point():
 def test_paths_with_different_feature_map_sizes_in_a_residual_cnn():
     """SDPoint (benchmarks/programs/sdpoint.py, bench size): paths resize the feature map at a
     random block. Its site graph once aborted the process in TF's oneDNN layout pass (see
-    `site_graph._no_remapper`); now it runs, equal to eager."""
+    `site_graph._no_remapper`); now it runs, equal to eager. Each point's two ratios are one
+    shape group, lowered once: the site graph has the path graphs' traces and fallbacks, and a
+    second ratio joins its group's graph speculatively built for it with no build of either."""
     from benchmarks.programs import sdpoint
 
-    steps = 10
+    steps = 16
     p = sdpoint.build(tf.GradientTape)
-    eager = [p.step(i) for i in range(steps)]
-    p = sdpoint.build(tf.TerraGradientTape)
-    got = [p.step(i) for i in range(steps)]
-    terra.end_iteration()
+    eager = [float(p.step(i)) for i in range(steps)]
+    keys = ("traces", "fallbacks", "speculations", "speculation_hits", "graph_builds",
+            "case_switches", "path_switches")
+    counts = {}
+    for on in (False, True):
+        terra.reset()
+        terra.config(site_graph=on)
+        p = sdpoint.build(tf.TerraGradientTape)
+        got = [float(p.step(i)) for i in range(steps)]
+        terra.end_iteration()
+        counts[on] = tuple(terra.stats()[k] for k in keys)
+        # (graph and eager kernels round apart from step 7 on; training amplifies it)
+        np.testing.assert_allclose(got[:10], eager[:10], rtol=1e-4)
     explain = terra.explain()
-    assert "site graph (switch_case / while_loop) for" in explain, explain
-    assert terra.stats()["case_switches"] > 0, explain
     assert "graph error" not in explain and "run failed" not in explain, explain
-    np.testing.assert_allclose(got, eager, rtol=1e-4)
+    assert counts[False] == (12, 7, 3, 3, 5, 0, 8), counts
+    assert counts[True] == (12, 7, 3, 3, 9, 8, 0), (counts, explain)
+    (site,) = SESSION.sites.values()
+    assert [p.id for p in site.site_graph.paths].count(-1) == 4, explain
 
 
 def test_a_rebuild_for_a_new_path_merges_only_its_trace(monkeypatch):
@@ -619,3 +631,81 @@ def test_a_random_depth_among_thirteen_is_one_site_graph():
     assert counts[False] == (17, 12, 10, 13, 40, 0), counts
     assert counts[True] == (17, 12, 19, 13, 5, 35), (counts, explain)
     assert "site graph over 10 paths" in explain, explain
+
+
+def random_resize(Tape, steps=24):
+    """SDPoint in small: each step Python's `random` picks where the feature map is resized
+    (nowhere, before the first convolution or before the second) and by how much (0.5 or
+    0.75 of its 12 x 12), so the paths at one point differ only in the size and the shapes and
+    constants made from it (the mean's count, the gradient's shapes)."""
+    rnd = random.Random(5)
+    w1 = tf.Variable(tf.random.stateless_normal([3, 3, 2, 4], [1, 2]) * 0.3)
+    w2 = tf.Variable(tf.random.stateless_normal([3, 3, 4, 3], [3, 4]) * 0.3)
+    x = tf.random.stateless_normal([2, 12, 12, 2], [5, 6])
+    losses = []
+    for _ in range(steps):
+        point, ratio = rnd.choice([None, 1, 2]), rnd.choice([0.5, 0.75])
+        with Tape() as tape:
+            h = x
+            for k, w in ((1, w1), (2, w2)):
+                if k == point:
+                    n = int(h.shape[1] * ratio)
+                    h = tf.image.resize(h, (n, n))
+                h = tf.nn.tanh(tf.nn.conv2d(h, w, 1, "SAME"))
+            loss = tf.reduce_mean(h ** 2)
+        _sgd(tape, loss, [w1, w2])
+        losses.append(float(loss))
+    return losses, [w1.numpy(), w2.numpy()]
+
+
+def test_shape_groups_are_one_case_each_in_the_site_graph():
+    """A random resize point and ratio (`random_resize`): equal to eager with path graphs and
+    with the site graph, and with the same traces, fallbacks and path builds. Each point's two
+    ratios are one shape group, lowered once into the site graph (its relaxed trace, the
+    member putting its own shape constants): the second ratio joins its group's graph with
+    no build, path graph or site graph."""
+    eager = random_resize(tf.GradientTape)
+    keys = ("traces", "new_paths", "fallbacks", "speculations", "speculation_hits",
+            "graph_reuses", "graph_builds", "path_switches", "case_switches")
+    counts = {}
+    for on in (False, True):
+        terra.reset()
+        terra.config(site_graph=on)
+        got = random_resize(tf.TerraGradientTape)
+        terra.end_iteration()
+        assert got[0] == eager[0], on
+        assert all(np.array_equal(a, b) for a, b in zip(got[1], eager[1])), on
+        counts[on] = dict((k, terra.stats()[k]) for k in keys)
+    explain = terra.explain()
+    same = {"traces": 6, "new_paths": 5, "fallbacks": 4, "speculations": 1,
+            "speculation_hits": 0, "graph_reuses": 0}
+    # path graphs: 5 builds (the no-resize path, each group twice as it gains its second
+    # ratio, the other point's first ratio speculatively); the site graph adds 3 site builds
+    assert counts[False] == {**same, "graph_builds": 5, "path_switches": 22,
+                             "case_switches": 0}, counts
+    assert counts[True] == {**same, "graph_builds": 8, "path_switches": 0,
+                            "case_switches": 22}, (counts, explain)
+    (site,) = SESSION.sites.values()
+    lowered = site.site_graph.paths
+    assert sorted(p.id for p in lowered) == [-1, -1, 3], explain
+    groups = [g for g in site.shape_groups if g.path in lowered]
+    assert [len(g.members) for g in groups] == [2, 2], explain
+    # two ratios at one point: a seamless switch between two members of one group
+    assert "in the site graph: different constant" in explain, explain
+
+
+@pytest.mark.parametrize("settings", [{"overlap_iterations": False}, {"coexecution": False}],
+                         ids=["no_overlap", "lazy"])
+def test_shape_groups_in_the_site_graph_without_overlap_and_lazy(settings):
+    eager = random_resize(tf.GradientTape)
+    old = terra.config(**settings)
+    try:
+        got, stats, explain = _terra_run(random_resize, True)
+    finally:
+        terra.config(**old)
+    assert got[0] == eager[0], explain
+    assert all(np.array_equal(a, b) for a, b in zip(got[1], eager[1])), explain
+    got = tuple(stats[k] for k in ("traces", "fallbacks", "graph_builds", "case_switches",
+                                   "path_switches"))
+    assert got == (6, 4, 8, 22, 0), explain
+    assert "site graph over 3 paths" in explain, explain
