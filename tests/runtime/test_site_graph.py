@@ -709,3 +709,25 @@ def test_shape_groups_in_the_site_graph_without_overlap_and_lazy(settings):
                                    "path_switches"))
     assert got == (6, 4, 8, 22, 0), explain
     assert "site graph over 3 paths" in explain, explain
+
+
+def test_shape_groups_in_the_site_graph_with_background_builds():
+    """`random_resize` with `background_builds`: the site graph, built on the builder thread,
+    lowers each shape group once, and the program equals eager whichever graphs it ran on."""
+    from terra.runtime.site_graph import site_paths
+    eager = random_resize(tf.GradientTape)
+    old = terra.config(background_builds=True)
+    try:
+        got = random_resize(tf.TerraGradientTape)
+        terra.end_iteration()
+        for _ in range(4):  # a finished path build submits the site graph's
+            assert terra.wait_builds(timeout=600)
+    finally:
+        terra.config(**old)
+    assert got[0] == eager[0]
+    assert all(np.array_equal(a, b) for a, b in zip(got[1], eager[1]))
+    log = terra.explain()
+    (site,) = SESSION.sites.values()
+    assert site.site_graph is not None, log
+    assert [id(p) for p in site.site_graph.paths] == [id(p) for p in site_paths(site)], log
+    assert any(p.id == -1 for p in site.site_graph.paths), log
