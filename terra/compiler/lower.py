@@ -59,7 +59,7 @@ from terra.compiler.case_assignment import assign_cases, path_choices
 from terra.compiler.interpret import input_dtypes
 from terra.compiler.merge import shape_key  # what `covers` compares
 from terra.compiler.merge import merge
-from terra.ir.records import ConstRef, FeedRef, TensorSpec, Trace, VariableRef
+from terra.ir.records import SHAPE_CONSTANT, ConstRef, FeedRef, TensorSpec, Trace, VariableRef
 from terra.ir.trace_graph import LOOP, Carried, IterFeed, NodeOut, Phi, Prev, TraceGraph
 from terra.compiler.channels import FeedChannel, FetchChannel
 from terra.compiler.names import op_node_name
@@ -407,6 +407,15 @@ class _Analysis:
             if isinstance(ref, FeedRef):
                 specs.append(tr.feeds[ref.slot].spec)
         return _relax(specs)
+
+    def timed_feed(self, nid, pos) -> bool:
+        """Whether the feed at input `pos` of node `nid` counts the graph's wait for Python
+        (channels.py): not a shape group's constant, which the runtime puts, not Python."""
+        for tr, rec in self.records_of(self.node[nid]):
+            ref = rec.inputs[pos[0]] if len(pos) == 1 else rec.inputs[pos[0]][pos[1]]
+            if isinstance(ref, FeedRef) and tr.feeds[ref.slot].source != SHAPE_CONSTANT:
+                return True
+        return False
 
     def slot_feed_spec(self, slot, nid):
         specs = [self.traces[t].feeds[slot].spec for t in self.node[nid].seen
@@ -771,7 +780,8 @@ class _Lowering:
             return t
         dtype, shape = spec
         ch = self._channel(self.feeds, (nid, pos), lambda: FeedChannel(
-            dtype, shape, name=f"feed_{nid}_{'_'.join(map(str, pos))}", timed=self.timed))
+            dtype, shape, name=f"feed_{nid}_{'_'.join(map(str, pos))}",
+            timed=self.timed and self.an.timed_feed(nid, pos)))
         t = self._dequeue(scope, ch)
         points.append(FeedPoint(nid, pos, src))
         scope.env[key] = t

@@ -204,10 +204,15 @@ class Fetch:
     in_unit: bool = False
 
 
+# Feed.source of a constant the members of a shape group hold different values of (the
+# runtime puts the member's: terra/runtime/shape_groups.py)
+SHAPE_CONSTANT = "shape-constant"
+
+
 @dataclass(frozen=True, slots=True)
 class Feed:
     """One external input: its spec and where it came from (e.g. "numpy", "python-scalar",
-    "eager-tensor")."""
+    "eager-tensor", or SHAPE_CONSTANT: a shape group's constant the runtime puts)."""
     slot: int
     spec: TensorSpec
     source: str

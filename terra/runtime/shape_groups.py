@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import tensorflow as tf
 
-from terra.ir.records import ConstRef, Feed, FeedRef, OutputRef, TensorSpec, Trace, replace
+from terra.ir.records import (SHAPE_CONSTANT, ConstRef, Feed, FeedRef, OutputRef, TensorSpec,
+                              Trace, replace)
 from terra.ir.op_kinds import DATA_DEPENDENT_SHAPE_OPS as _DATA_DEPENDENT
 from terra.tracing.recorder import frozen_value
 
 __all__ = ["ShapeGroup", "Relaxed", "current_record", "derive", "relax", "member_values",
            "rules_hold", "speculate", "covers_open"]
 
-SHAPE_CONSTANT = "shape-constant"   # Feed.source of a constant that differs between members
 
 
 @dataclass(frozen=True)

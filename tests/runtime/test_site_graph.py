@@ -692,6 +692,10 @@ def test_shape_groups_are_one_case_each_in_the_site_graph():
     assert [len(g.members) for g in groups] == [2, 2], explain
     # two ratios at one point: a seamless switch between two members of one group
     assert "in the site graph: different constant" in explain, explain
+    # the runtime puts the shape constants: their channels do not time the graph's wait for
+    # Python (3 Python feed points of the one input, 4 constant feed points)
+    timed = sorted(ch.timed for ch in site.site_graph.lowered.feeds.values())
+    assert timed == [False] * 4 + [True] * 3, explain
 
 
 @pytest.mark.parametrize("settings", [{"overlap_iterations": False}, {"coexecution": False}],
