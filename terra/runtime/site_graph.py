@@ -182,6 +182,21 @@ def _shapes_known(paths) -> bool:
     return True
 
 
+class ReadAhead(Exception):
+    """A path reads a value before it has matched the value's op (a coarse unit's Python
+    reads a value the unit computes, at the unit's start), but the plan has an event due
+    between the two (a Case-Select): the run would wait for that event, and Python for the
+    value. Path graphs run it (their graphs need no event for it)."""
+
+
+def _check_reads_ahead(path, plan) -> None:
+    for ref, after in path.fetch_points.items():
+        if after <= ref.record and plan.count_before(after) != plan.count_before(ref.record + 1):
+            at = plan.ats[plan.count_before(after)]
+            raise ReadAhead(f"path {_name(path)} reads %{ref.record} at op #{after}, inside a "
+                            f"unit, before an event of the site graph due at op #{at}")
+
+
 class SiteGraph:
     """The lowered graph of a site's compiled paths; `plans[id(path)]` drives one path."""
 
@@ -215,6 +230,8 @@ class SiteGraph:
         self.concrete = self.lowered.function
         self.plans = {id(p): SitePlan(self.lowered, t, p, tid=k)
                       for k, (p, t) in enumerate(zip(self.paths, traces))}
+        for p in self.paths:
+            _check_reads_ahead(p, self.plans[id(p)])
         variables, seen = [], set()
         for p in self.paths:
             for v in written_variables(p.trace):

@@ -735,3 +735,27 @@ def test_shape_groups_in_the_site_graph_with_background_builds():
     assert site.site_graph is not None, log
     assert [id(p) for p in site.site_graph.paths] == [id(p) for p in site_paths(site)], log
     assert any(p.id == -1 for p in site.site_graph.paths), log
+
+
+def test_a_unit_reading_a_value_it_computes_keeps_the_paths_on_their_graphs():
+    """Keras' `LossScaleOptimizer.apply_gradients` reads the finite check it computes itself
+    (a read at the unit's start of a value past it). Once the skipped update is a path, the two
+    paths part inside the unit: on a site graph the read would wait for the Case-Select Python
+    puts only past the unit (it timed out), so that site graph is not built (`ReadAhead`) and the
+    paths switch by restarting. Equal to eager, with the path graphs' traces and fallbacks (and
+    the site graph of the first two paths, which part after the unit)."""
+    from tests.counting import CompileCounter
+    from tests.e2e.test_unit_reads import _equal, _loss_scaled
+    old = terra.config(timeout_s=30.0)
+    try:
+        eager = _loss_scaled(tf.GradientTape)
+        with CompileCounter() as c:
+            got = _loss_scaled(tf.TerraGradientTape)
+    finally:
+        terra.config(**old)
+    _equal(got, eager)
+    explain = terra.explain()
+    c.assert_counts(traces=6, graph_builds=5, fallbacks=3)
+    assert explain.count("no site graph for") == 2, explain
+    assert "ReadAhead: path p2 reads %182 at op #42, inside a unit, before an event of the " \
+           "site graph due at op #52" in explain, explain
