@@ -6,8 +6,9 @@ The program: a Sequential trunk of two Dense layers of width w, then one of thre
 heads (Dense 8/16/24 + Dense 1), Adam, `float(loss)` per step. The head is chosen by Python's
 `random` before the trunk runs ("early": a path graph's restart costs nothing, the run is held
 until Python has told the paths apart) or from a value of the trunk Python reads ("late": a
-restart recomputes the trunk). Modes: eager, Terra with path graphs (the default), Terra with
-the site graph (`site_graph=True`: a switch is a Case-Select put). Every (config, mode) block is
+restart recomputes the trunk). Modes: eager, Terra with path graphs (`site_graph=False`),
+Terra with the site graph (`site_graph=True`: a switch is a Case-Select put), and Terra's default
+(`site_graph="auto"`: the site graph once restarts have thrown away runs Python read). Every (config, mode) block is
 a fresh interpreter; modes alternate within a round, in the opposite order the next round. Per
 block: the median step over the last 2/3 of the steps; per (config, mode): the median over the
 rounds and the rounds' range, with Terra's counts. Writes
@@ -26,7 +27,8 @@ import time
 import numpy as np
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-MODES = ("eager", "path", "site")
+MODES = ("eager", "path", "site", "auto")
+SETTING = {"path": False, "site": True, "auto": "auto"}
 COUNTS = ("traces", "fallbacks", "graph_builds", "case_switches", "path_switches")
 
 
@@ -39,7 +41,8 @@ def child(mode: str, width: int, late: bool, steps: int) -> dict:
     import tensorflow as tf
 
     import terra
-    terra.config(site_graph=mode == "site")
+    if mode != "eager":
+        terra.config(site_graph=SETTING[mode])
     keras.utils.set_random_seed(3)
     dense = keras.layers.Dense
     trunk = keras.Sequential([dense(width, activation="tanh"), dense(width, activation="tanh")])
@@ -116,9 +119,10 @@ def main(argv=None) -> None:
     lines = [f"Random branch among Keras heads ({meta['date']}, {meta['cpus']} CPUs, "
              f"{args.rounds} rounds of {args.steps} steps; median ms of the last 2/3 of the "
              f"steps, median [range] over rounds; `python -m benchmarks.site_graph_heads`)", "",
-             "| w | choice | eager | path graphs | site graph | site / path | "
-             "counts path (case / restarts, builds) | counts site |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| w | choice | eager | path graphs | site graph | auto | site / path | "
+             "auto / path | counts path (case / restarts, builds) | counts site | "
+             "counts auto |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def cell(m):
         return f"{m['median_ms']:.2f} [{m['min_ms']:.2f}-{m['max_ms']:.2f}]"
@@ -128,9 +132,11 @@ def main(argv=None) -> None:
         return f"{s['case_switches']} / {s['path_switches']}, {s['graph_builds']}"
     for row in rows:
         lines.append(f"| {row['width']} | {row['choice']} | {cell(row['eager'])} | "
-                     f"{cell(row['path'])} | {cell(row['site'])} | "
+                     f"{cell(row['path'])} | {cell(row['site'])} | {cell(row['auto'])} | "
                      f"{row['site']['median_ms'] / row['path']['median_ms']:.2f} | "
-                     f"{counts(row['path'])} | {counts(row['site'])} |")
+                     f"{row['auto']['median_ms'] / row['path']['median_ms']:.2f} | "
+                     f"{counts(row['path'])} | {counts(row['site'])} | "
+                     f"{counts(row['auto'])} |")
     with open(os.path.join(RESULTS, "site_graph_heads.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

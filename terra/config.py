@@ -77,13 +77,17 @@ class Config:
       instantiation took the CPU back from the program (docs/usage.md, "Tiered instantiation").
     site_graph: a site with two or more compiled paths runs one lowered graph for all of them
       (switch_case / while_loop): a branch Python takes is a Case-Select put, not a restart.
-      Off by default (docs/usage.md, "Branches: the site graph": slower where measured, and
-      re-lowered whole for every new path).
+      True: at every such site. "auto" (the default): at a site whose restarts after a read
+      (a random branch after a mid-step read: each restart runs the graph up to the read
+      again) have thrown away as much graph time as the site graph would cost to build
+      (runtime/policy.py, `takes_site_graph`); elsewhere paths switch by restarting, which
+      costs no more per step where measured and needs no site-wide rebuild per new path
+      (docs/usage.md, "Branches: the site graph"). False: never.
     shape_groups: paths that differ only in shapes (another batch size or sequence length) and
       in constants made from them share one graph whose differing dimensions are unknown and
       which computes those constants from the shapes it holds where the members show how: a
       new length runs on it untraced, or costs a trace and no build (docs/usage.md, "Varying
-      shapes"). Not with site_graph.
+      shapes"). In a site graph, a group is one path (its members put their constants).
     speculation: a new path of a site that runs graphs already, which resizes an image to a
       size Python computed, gets a shape group's graph of its own, with that size put and the
       counts made from it computed (runtime/shape_groups.py, `speculate`): the path with
@@ -113,7 +117,7 @@ class Config:
     layer_units: bool = True
     user_layer_units: bool = True
     api_units: bool = True
-    site_graph: bool = False
+    site_graph: bool | str = "auto"
     background_builds: bool = False
     tiered_instantiation: bool = False
     shape_groups: bool = True
@@ -126,7 +130,7 @@ CONFIG = Config()
 _CHECKS = {
     "enabled": (bool,), "coexecution": (bool,), "overlap_iterations": (bool,), "xla": (bool,), "grappler": (bool,),
     "arithmetic_optimizer": (bool,), "remapper": (bool,), "constant_folding": (bool,), "layer_units": (bool,),
-    "user_layer_units": (bool,), "api_units": (bool,), "site_graph": (bool,),
+    "user_layer_units": (bool,), "api_units": (bool,), "site_graph": (bool, str),
     "background_builds": (bool,), "tiered_instantiation": (bool,), "shape_groups": (bool,), "speculation": (bool,),
     "commit_writes": (bool,),
     "max_traces": (int,), "max_fallbacks": (int,), "verbose": (int,), "max_trace_ops": (int,),
@@ -142,7 +146,11 @@ def configure(**changes) -> dict:
         types = _CHECKS.get(name)
         if types is None:
             raise ValueError(f"terra.config: unknown setting {name!r}; known: {sorted(_CHECKS)}")
-        if not isinstance(value, types) or (types != (bool,) and isinstance(value, bool)):
+        if name == "site_graph":
+            if value not in (True, False, "auto") or type(value) not in (bool, str):
+                raise TypeError(f"terra.config: site_graph must be True, False or 'auto', "
+                                f"got {value!r}")
+        elif not isinstance(value, types) or (types != (bool,) and isinstance(value, bool)):
             raise TypeError(f"terra.config: {name} must be {types[0].__name__}, got {value!r}")
         if name in ("max_traces", "max_fallbacks", "max_trace_ops") and value < 1:
             raise ValueError(f"terra.config: {name} must be >= 1, got {value!r}")

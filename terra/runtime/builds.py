@@ -53,6 +53,7 @@ class Builds:
         if self.builder.building(path):  # installed (and built again if stale by then) later
             return
         t = time.perf_counter()
+        shared_graph = False
         with self.internal(), widened(CONFIG.tracing_gc_threshold):
             shared = self.reuse(site, path)
             if shared is None and reuse_only:
@@ -68,13 +69,17 @@ class Builds:
                 self.event("graph_reuse", site, number, f"path p{path.id} runs the graph of "
                            f"p{shared.id} over its own variables (the same ops on new "
                            f"variable objects), {time.perf_counter() - t:.3f} s")
-                return
-            if CONFIG.background_builds:
-                self.builder.submit(site, path, number, PathGraph)
-                return
-            if self._speculate(site, path, number):
-                return
-            graph = PathGraph(path)
+                shared_graph = True
+            if not shared_graph:
+                if CONFIG.background_builds:
+                    self.builder.submit(site, path, number, PathGraph)
+                    return
+                if self._speculate(site, path, number):
+                    return
+                graph = PathGraph(path)
+        if shared_graph:  # a path of the site graph too: its branch is its variables'
+            self.site_graph(site, number)
+            return
         self.install(site, path, graph, path.build_key(), number, time.perf_counter() - t)
 
     def by_role(self, site, path, number, roles):
@@ -286,6 +291,7 @@ class Builds:
             g.graph = gp.graph = graph
             for m in g.members:
                 self._attach(site, g, m)
+        graph.build_seconds = time.perf_counter() - t
         self._built(graph, site)
         self.counters.graph_builds += 1
         site.builds += 1
@@ -299,6 +305,7 @@ class Builds:
     def install(self, site, path, graph, key, number, seconds, where="") -> None:
         """`graph`, built for the path state `key`, becomes `path`'s."""
         graph.path = path
+        graph.build_seconds = seconds
         path.graph = graph
         path.built_for = key
         path.built_count = path.built_count or path.count
@@ -385,7 +392,8 @@ class Builds:
         """(Re)build the site's SiteGraph over its compiled paths when there are two or more
         (one path keeps its cheaper PathGraph). A lowering that fails leaves the site on
         PathGraphs (said in explain())."""
-        if not CONFIG.site_graph:
+        if not (CONFIG.site_graph is True or CONFIG.site_graph == "auto" and
+                site.wants_site_graph):
             return
         paths = joined_order(site_paths(site), site.site_graph)
         if len(paths) < 2:

@@ -13,6 +13,7 @@ from terra.config import CONFIG
 from terra.runtime.mode import Mode
 from terra.errors import TerraRuntimeError
 from terra.ir.records import FeedRef, OutputRef
+from terra.runtime import policy
 from terra.runtime.fallback import EagerReplay, Snapshot, bind_placeholders
 from terra.runtime.executable import Executable, PathRun
 from terra.runtime.graph_runner import extended_error
@@ -22,6 +23,7 @@ from terra.runtime.placeholders import Placeholder
 from terra.runtime.divergence import GRAPH_ERROR, Divergence, DivergenceKind, user_line
 from terra.runtime.python_runner import UNSET, PythonRunner, placeholder_ref
 from terra.runtime.shape_groups import current_record
+from terra.runtime.site_graph import site_paths
 from terra.tracing import gc_window, hook
 from terra.tracing.recorder import ContinuingRecorder
 
@@ -49,6 +51,8 @@ class Iteration(IterationEnd):
         self.committed = False  # the run may write (`Executable.commits`; see `commit`)
         self.fallback_gap: int | None = None   # iterations since the site's previous fallback
         self.fetched: set = set()
+        self.fetch_wait = 0.0  # seconds Python waited for fetches from the current run
+        self.site_graph_due = False  # restarts asked for the site's site graph (`switch`)
         self.outputs: dict = {}
         self.tapes: list = []
         self.tape_spans: list = []   # [tape, first op, end op or None]
@@ -309,6 +313,7 @@ class Iteration(IterationEnd):
                     finally:
                         dt = time.perf_counter() - t
                         self.stall += dt
+                        self.fetch_wait += dt
                         s.counters.python_stall_s += dt
                     if v is not None:
                         self.fetched.add(ref)
@@ -427,6 +432,7 @@ class Iteration(IterationEnd):
             s = self.session
             if self.hold is not None and self.run is None:
                 s.counters.held_switches += 1
+            read, cancelled = bool(self.fetched), self.run
             with s.internal():
                 self.abandon_run(eager_next=False)
                 if s.inflight.error is not None:  # an earlier iteration failed: fall back
@@ -437,7 +443,10 @@ class Iteration(IterationEnd):
                 self.use(self.exe.on_path(q, runner))
                 self.hold_for(q)
                 self.exe.replay_puts(runner, pos, self.put_feed)
+                if read:  # Python waited for values of the run cancelled here: the restart
+                    self._read_restart(cancelled)  # runs the graph up to them again
                 self.fetched = set()
+                self.fetch_wait = 0.0
                 if CONFIG.coexecution and (self.exe.starts_early() or runner.fed_order):
                     self.start_graph(early=True)
             s.counters.path_switches += 1
@@ -446,6 +455,22 @@ class Iteration(IterationEnd):
                      f"{d.reason}", d.location)
             return True
         return False
+
+    def _read_restart(self, cancelled) -> None:
+        """Count a restart that throws away graph work Python waited for (the cancelled run's
+        time, at least Python's waits for it); with `site_graph="auto"`, take a site graph once
+        that costs more than building it (`policy.takes_site_graph`), built as this iteration
+        ends."""
+        site = self.site
+        site.read_restarts += 1
+        ran = cancelled.exec_seconds if cancelled is not None and cancelled.done else 0.0
+        site.read_restart_s += max(self.fetch_wait, ran)
+        if CONFIG.site_graph != "auto" or site.wants_site_graph:
+            return
+        builds = sum(p.graph.build_seconds for p in site_paths(site))
+        if policy.takes_site_graph(site.read_restarts, site.read_restart_s, builds):
+            site.wants_site_graph = True
+            self.site_graph_due = True
 
     def fallback(self, d: Divergence):
         """Leave skip mode (see terra/runtime/fallback.py); returns the recorder now active."""

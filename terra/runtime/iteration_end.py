@@ -50,6 +50,13 @@ class IterationEnd:
         """End the iteration (the next __enter__, reset, or leaving the site)."""
         try:
             self._finish()
+            if self.site_graph_due:  # (`Iteration.switch`) between iterations, as builds are
+                self.site_graph_due = False
+                s = self.session
+                s.event("switch", self.site, self.number, f"{self.site.read_restarts} restarts "
+                        "cancelled runs Python had read values of (each runs the graph up to "
+                        "them again): the site takes a site graph (site_graph='auto')")
+                s.builds.site_graph(self.site, self.number)
         finally:
             self.close_gc()
 

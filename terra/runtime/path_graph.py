@@ -84,6 +84,7 @@ class PathGraph:
     output, and the path's live-out values as the function's outputs."""
 
     run_config = None  # each run keeps the configured ConfigProto (see SiteGraph.run_config)
+    build_seconds = 0.0  # its lowering's time, as `Builds` measured it (policy.takes_site_graph)
 
     def __init__(self, path: "Path", unknown=None, bundled=(), derived=None):
         """`unknown`: the outputs whose shapes the graph cannot know before it runs, where that

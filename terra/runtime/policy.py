@@ -16,6 +16,15 @@ Building (`due`):
     on average, and otherwise (a rare path: its graph would serve few iterations) at its
     RARE_SIGHTINGS-th, when the traces it has cost amount to about one build.
 
+A site graph (`takes_site_graph`, with `config.site_graph` "auto"): a restart that cancels a run
+Python has read values of throws that graph work away (the restart runs the graph up to them
+again). Once such restarts have thrown away (the cancelled runs' time, at least Python's waits
+for the values) as much as the site graph would cost to build (SITE_BUILD_FACTOR times its paths' own builds), and at
+least READ_RESTARTS of them, the site runs one graph for its compiled paths, where taking a
+branch is a Case-Select put (a rent-or-buy rule: what restarts cost so far bounds what the build
+can cost). A site whose restarts come before any read (Python ahead of the graph) loses little
+to them and keeps its path graphs, with no site-wide rebuild per new path.
+
 Giving up (`GIVE_UP`, first matching rule): the site's paths keep changing, so each iteration
 costs a fallback and a build, more than running it eagerly; or it falls back more often than its
 graphs serve iterations.
@@ -27,7 +36,7 @@ from typing import Callable
 
 __all__ = ["BUILDS_PER_TRACE_LIMIT", "CHURN_PATHS", "FIRST_SIGHT_UNUSED", "FIRST_SIGHT_WINDOW",
            "GIVE_UP", "RARE_GAP", "RARE_SIGHTINGS", "Rule", "Tally", "due", "give_up",
-           "late_once", "unused_once"]
+           "late_once", "unused_once", "READ_RESTARTS", "SITE_BUILD_FACTOR", "takes_site_graph"]
 
 # a site stays eager after this many builds per `max_traces` while its builds are not
 # outnumbered by the iterations its graphs served (a site whose common path runs most iterations
@@ -40,6 +49,18 @@ FIRST_SIGHT_UNUSED = 2
 FIRST_SIGHT_WINDOW = 2
 RARE_GAP = 8
 RARE_SIGHTINGS = 5
+# "auto" site graphs: at least this many restarts after a read (one is no pattern yet), and a
+# site graph's build estimated at this many times the lowering of its paths' own graphs (it
+# lowers each path's ops again, and is instantiated whole: 0.8-2.8x on the programs measured)
+READ_RESTARTS = 3
+SITE_BUILD_FACTOR = 2.0
+
+
+def takes_site_graph(read_restarts: int, wasted_s: float, path_builds_s: float) -> bool:
+    """Whether a site with `site_graph="auto"` takes a site graph: `read_restarts` restarts after
+    a read threw away `wasted_s` of graph time Python had waited for; its compiled paths' own
+    graphs took `path_builds_s` to build."""
+    return read_restarts >= READ_RESTARTS and wasted_s >= SITE_BUILD_FACTOR * path_builds_s
 
 
 def compiled(site) -> bool:

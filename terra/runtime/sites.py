@@ -368,6 +368,9 @@ class Site:
     site_graph: SiteGraph | None = None   # one graph for all compiled paths (>= 2 of them)
     shape_groups: list = field(default_factory=list)  # paths that share a graph (shape_groups.py)
     site_graph_failed: tuple | None = None  # SiteGraph.key_of the paths whose lowering failed
+    read_restarts: int = 0   # restarts that cancelled a run Python had read values of
+    read_restart_s: float = 0.0  # the time Python had waited for those values
+    wants_site_graph: bool = False  # site_graph="auto" chose a site graph (policy.py)
     caller_step_try: bool = False   # called inside a per-step try of the program (PathView)
     # whether each of the latest compiled iterations had to leave the path it started on
     misses: collections.deque = field(default_factory=lambda: collections.deque(maxlen=HOLD_WINDOW))

@@ -128,3 +128,12 @@ def test_the_first_rule_that_fires_names_the_verdict():
     site = _site(_path(count=2, graph=GRAPH), *late, builds=16, fallbacks=20)
     assert [r.name for r in policy.GIVE_UP] == ["churn", "shapes", "builds", "fallbacks"]
     assert policy.give_up(_tally(site))[0] == "churn"
+
+
+def test_a_site_takes_a_site_graph_once_read_restarts_cost_a_build():
+    n, f = policy.READ_RESTARTS, policy.SITE_BUILD_FACTOR
+    assert (n, f) == (3, 2.0)
+    assert policy.takes_site_graph(n, f * 0.5, 0.5)          # waited as long as it costs
+    assert not policy.takes_site_graph(n, f * 0.5 - 1e-3, 0.5)
+    assert not policy.takes_site_graph(n - 1, 100.0, 0.5)    # too few restarts to be a pattern
+    assert policy.takes_site_graph(n + 10, 100.0, 0.5)
