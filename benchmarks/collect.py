@@ -22,6 +22,7 @@ SECTIONS = (
     ("ratio.md", "make bench-ratio (python -m benchmarks.ratio)"),
     ("breakdown.md", "make bench-breakdown (python -m benchmarks.breakdown)"),
     ("limits.md", "make bench-limits (python -m benchmarks.limits)"),
+    ("site_graph_heads.md", "python -m benchmarks.site_graph_heads"),
     ("hook_overhead.md", "python -m benchmarks.hook_overhead"),
     ("pipeline.md", "python benchmarks/pipeline.py"),
     ("ada_grouper.md", "make bench-ada-grouper (python benchmarks/ada_grouper.py)"),

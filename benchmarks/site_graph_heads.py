@@ -116,7 +116,9 @@ def main(argv=None) -> None:
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "site_graph_heads.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    lines = [f"Random branch among Keras heads ({meta['date']}, {meta['cpus']} CPUs, "
+    lines = ["## A random branch among Keras heads: path graphs, site graph, auto "
+             "(benchmarks/site_graph_heads.py)", "",
+             f"Random branch among Keras heads ({meta['date']}, {meta['cpus']} CPUs, "
              f"{args.rounds} rounds of {args.steps} steps; median ms of the last 2/3 of the "
              f"steps, median [range] over rounds; `python -m benchmarks.site_graph_heads`)", "",
              "| w | choice | eager | path graphs | site graph | auto | site / path | "
