@@ -85,7 +85,8 @@ def site_states(explain: str) -> dict:
     "eager (reason)")."""
     out = {}
     for line in explain.splitlines():
-        m = re.match(r"site (\S+): .*?fallbacks, (.*?)(, site graph over .*)?$", line)
+        m = re.match(r"site (\S+): .*?fallbacks, (.*?)(, site graph over \d+ paths)?"
+                     r"(, \d+ restarts after a read \(.*\))?$", line)
         if m:
             out[m.group(1)] = m.group(2)
     return out

@@ -75,7 +75,10 @@ def render(events, sites, site_graph_on: bool) -> str:
         lines.append(f"site {site.label}: {site.traces} traces, {len(site.paths)} paths, "
                      f"{site.fallbacks} fallbacks, {state}" +
                      (f", site graph over {len(site.site_graph.paths)} paths"
-                      if site.site_graph is not None and site_graph_on else ""))
+                      if site.site_graph is not None and site_graph_on else "") +
+                     (f", {site.read_restarts} restarts after a read "
+                      f"({site.read_restart_s:.2f} s of graph thrown away)"
+                      if site.read_restarts else ""))
     return "\n".join(lines) if lines else "terra: nothing has run yet"
 
 

@@ -22,9 +22,14 @@ def test_compare_is_exact_only_when_every_value_is():
 def test_site_states_reads_explains_closing_lines():
     text = ("[trace] a.py:3 iteration 1: new path p0 ()\n"
             "site a.py:3: 4 traces, 3 paths, 1 fallbacks, coexecution\n"
-            "site b.py:9: 8 traces, 8 paths, 0 fallbacks, eager (8 traces without a compilable repeat)\n")
+            "site b.py:9: 8 traces, 8 paths, 0 fallbacks, eager (8 traces without a compilable repeat)\n"
+            "site c.py:5: 5 traces, 4 paths, 2 fallbacks, coexecution, site graph over 3 paths, "
+            "19 restarts after a read (0.32 s of graph thrown away)\n"
+            "site d.py:7: 5 traces, 4 paths, 2 fallbacks, coexecution, 11 restarts after a read "
+            "(0.01 s of graph thrown away)\n")
     assert real.site_states(text) == {
-        "a.py:3": "coexecution", "b.py:9": "eager (8 traces without a compilable repeat)"}
+        "a.py:3": "coexecution", "b.py:9": "eager (8 traces without a compilable repeat)",
+        "c.py:5": "coexecution", "d.py:7": "coexecution"}
 
 
 @pytest.mark.slow  # a real program through eager, Terra and tf.function (~10 s): make test-slow

@@ -129,6 +129,7 @@ def test_restarts_that_waited_less_than_a_build_keep_the_path_graphs():
     got, c, explain, site = _run("auto")
     c.assert_counts(traces=5, fallbacks=2, graph_builds=3, path_switches=11, case_switches=0)
     assert site.read_restarts == 11 and not site.wants_site_graph and site.site_graph is None
+    assert ", 11 restarts after a read (" in explain.splitlines()[-1], explain
     assert 0 < site.read_restart_s < policy.SITE_BUILD_FACTOR * sum(
         p.graph.build_seconds for p in site.paths.values() if p.graph is not None), explain
 
@@ -153,6 +154,7 @@ def test_restarts_before_any_read_keep_the_path_graphs():
     assert c.path_switches > policy.READ_RESTARTS, explain
     assert c.case_switches == 0
     assert site.read_restarts == 0 and site.site_graph is None, explain
+    assert "restarts after a read" not in explain, explain
     assert "site graph" not in explain, explain
 
 
