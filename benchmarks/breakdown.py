@@ -117,19 +117,14 @@ def queue_runs(path, graph, n) -> None:
     """Put everything `n` runs of `graph` dequeue, as Python puts it for `path`: its feeds, its
     shape constants, and the tokens Python puts once it has checked a unit or ended the
     iteration (a run would wait for a missing one forever)."""
-    bundle = graph.step_bundle  # (every feed in one element, the commit token too or not)
     for _ in range(n):
-        if bundle is not None:
-            feeds = [path.trace.feed_values[s] for s in graph.bundled]
-            bundle.put(feeds + [True] if graph.commit_channel is bundle else feeds)
-        else:
-            for slot, ch in enumerate(graph.feed_channels):
-                if slot not in graph.bundled and ch is not None:
-                    ch.put(path.trace.feed_values[slot])
-            if graph.bundled:
-                graph.feed_channels[graph.bundled[0]].put(path.group_tensors)
+        for slot, ch in enumerate(graph.feed_channels):
+            if slot not in graph.bundled and ch is not None:
+                ch.put(path.trace.feed_values[slot])
+        if graph.bundled:
+            graph.feed_channels[graph.bundled[0]].put(path.group_tensors)
         for ch in (*graph.gate_channels.values(), graph.commit_channel):
-            if ch is not None and ch is not bundle:
+            if ch is not None:
                 ch.put(True)
 
 

@@ -98,12 +98,6 @@ class Config:
       on their data run first: a run abandoned or failed before then has written nothing, so no
       variable snapshot is taken per run (one graph call and one copy of every written variable
       each step; terra/compiler/commit.py). False: snapshot before every run.
-    bundle_feeds: a compiled path whose feeds Python supplies before it reads any value of the
-      run takes them as one element, put once Python has supplied the last: one eager op a
-      step instead of one per feed (each costs 100-400 us of the program thread's CPU right
-      after it waited for the graph, benchmarks/skeleton.py). A run starts only once the
-      previous one has ended, by when Python has supplied them: while iterations overlap, the
-      graph loses no time (runtime/path_graph.py).
     """
     enabled: bool = True
     coexecution: bool = True
@@ -129,7 +123,6 @@ class Config:
     shape_groups: bool = True
     speculation: bool = True
     commit_writes: bool = True
-    bundle_feeds: bool = True
 
 
 CONFIG = Config()
@@ -139,7 +132,7 @@ _CHECKS = {
     "arithmetic_optimizer": (bool,), "remapper": (bool,), "constant_folding": (bool,), "layer_units": (bool,),
     "user_layer_units": (bool,), "api_units": (bool,), "site_graph": (bool, str),
     "background_builds": (bool,), "tiered_instantiation": (bool,), "shape_groups": (bool,), "speculation": (bool,),
-    "commit_writes": (bool,), "bundle_feeds": (bool,),
+    "commit_writes": (bool,),
     "max_traces": (int,), "max_fallbacks": (int,), "verbose": (int,), "max_trace_ops": (int,),
     "tracing_gc_threshold": (int,), "coexec_gc_threshold": (int,),
     "timeout_s": (int, float),

@@ -154,26 +154,21 @@ class _Channel:
         if len(comps) != len(self.dtypes):
             raise ValueError(
                 f"{self.name}: expected {len(self.dtypes)} components, got {len(comps)}")
-        return [self._convert_one(v, d, s) for v, d, s in zip(comps, self.dtypes, self.shapes)]
-
-    def convert(self, value, component: int):
-        """`value` as the tensor component `component` of an element holds (a copy of a NumPy
-        array: the array may change before the element is put, or dequeued)."""
-        return self._convert_one(value, self.dtypes[component], self.shapes[component])
-
-    def _convert_one(self, v, d, s):
-        # (an eager tensor of the dtype is its own conversion: TF's dispatch for it costs
-        # more than the enqueue's Python; the commit token and most data come so)
-        if isinstance(v, tfp.EagerTensorBase) and v.dtype == d:
-            t = v
-        elif type(v) is np.ndarray and v.dtype == d.as_numpy_dtype:
-            t = tfp.eager_tensor_of_array(v, d)  # (what conversion does, without its
-            # dispatch: a feed of the batch's array every step)
-        else:
-            t = tf.convert_to_tensor(v, dtype=d)
-        if s.rank is not None and not s.is_compatible_with(t.shape):
-            raise ValueError(f"{self.name}: value of shape {t.shape} does not fit {s}")
-        return t
+        out = []
+        for v, d, s in zip(comps, self.dtypes, self.shapes):
+            # (an eager tensor of the dtype is its own conversion: TF's dispatch for it costs
+            # more than the enqueue's Python; the commit token and most data come so)
+            if isinstance(v, tfp.EagerTensorBase) and v.dtype == d:
+                t = v
+            elif type(v) is np.ndarray and v.dtype == d.as_numpy_dtype:
+                t = tfp.eager_tensor_of_array(v, d)  # (what conversion does, without its
+                # dispatch: a feed of the batch's array every step)
+            else:
+                t = tf.convert_to_tensor(v, dtype=d)
+            if s.rank is not None and not s.is_compatible_with(t.shape):
+                raise ValueError(f"{self.name}: value of shape {t.shape} does not fit {s}")
+            out.append(t)
+        return out
 
     def drain(self):
         """Drop every queued element (eager; e.g. leftover feeds after a cancelled run)."""

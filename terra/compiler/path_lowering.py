@@ -32,14 +32,6 @@ function's outputs, but not fetched early.
 `commit`: the graph's writes wait for a token on `commit_channel`, which Python puts once the
 iteration has stayed on its path (terra/compiler/commit.py); `commit_dependent` names the
 fetched values that wait for it too. Where the graph cannot be gated, `commit_channel` is None.
-
-`step_bundle` (for a trace without gates, bundled or derived slots whose feeds Python all
-supplies before it reads anything: the caller checks that): every feed slot travels in one
-element of one channel (`step_bundle`, every slot's `feed_channels` entry), dequeued before the
-first record; Python puts the element once it has supplied the last feed: one eager op per
-iteration instead of one per feed. The commit token keeps its own channel: in it too, the run
-could not start before the iteration's end, and would wait each step for the program's thread
-to wake from its wait for the previous run.
 """
 from __future__ import annotations
 
@@ -59,31 +51,21 @@ class LoweredPath:
     records after which Python reads it; `liveouts`: refs returned, in this order."""
 
     def __init__(self, trace, fetch_points: dict, liveouts, xla_scopes: bool = False,
-                 gates=None, bundled=(), derived=None, commit=False, held=frozenset(),
-                 step_bundle=False):
+                 gates=None, bundled=(), derived=None, commit=False, held=frozenset()):
         self.trace = trace
+        # commit-gated writes (compiler/commit.py): the channel Python puts the commit token on
+        # (None: not gated), and the fetched refs whose values wait for it
+        self.commit_channel = FeedChannel("bool", (), name="terra_commit", timed=False) \
+            if commit and not xla_scopes else None
         self.commit_dependent = frozenset()
         self.derived = dict(derived or {})
         self.gates = dict(gates or {})
         self.gate_channels = {start: FeedChannel("bool", (), name=f"terra_gate{start}")
                               for start in self.gates}
         self.bundled = tuple(bundled)
-        # every feed as one element (module docstring): None, or that channel
-        self.step_bundle = None
-        if step_bundle and not xla_scopes and not self.gates and not self.bundled and \
-                not self.derived and trace.feeds:
-            self.bundled = tuple(f.slot for f in trace.feeds)
-            self.step_bundle = bundle = FeedChannel(
-                [f.spec.dtype for f in trace.feeds], [f.spec.shape for f in trace.feeds],
-                name="terra_step_bundle")
-        else:
-            bundle = FeedChannel([trace.feeds[s].spec.dtype for s in self.bundled],
-                                 [trace.feeds[s].spec.shape for s in self.bundled],
-                                 name="terra_feed_bundle") if self.bundled else None
-        # commit-gated writes (compiler/commit.py): the channel Python puts the commit token on
-        # (None: not gated), and the fetched refs whose values wait for it
-        self.commit_channel = FeedChannel("bool", (), name="terra_commit", timed=False) \
-            if commit and not xla_scopes else None
+        bundle = FeedChannel([trace.feeds[s].spec.dtype for s in self.bundled],
+                             [trace.feeds[s].spec.shape for s in self.bundled],
+                             name="terra_feed_bundle") if self.bundled else None
         self.feed_channels = [bundle if f.slot in self.bundled else None if f.slot in
                               self.derived else
                               FeedChannel(f.spec.dtype, f.spec.shape, name=f"terra_feed{f.slot}")
@@ -163,9 +145,6 @@ class _ChannelReplay(replay.GraphReplay):
     def run(self):
         gate, gate_end = [], -1
         with self.spans:
-            if self.lowered.step_bundle is not None:
-                self.feeds.step_bundle()  # first of the channel ops: Python reads nothing of
-                # the run before it puts the bundle, so no enqueue may come before its dequeue
             for rec in self.trace.records:
                 self._emit_fetches(rec.index)
                 end = self.lowered.gates.get(rec.index)
@@ -194,9 +173,6 @@ class _LazyFeeds:
         if v is None and slot in self.lowered.derived:
             v = self.values[slot] = self._derive(slot)
         if v is None:
-            if self.lowered.step_bundle is not None:
-                self.step_bundle()
-                return self.values[slot]
             with self.spans.channel():
                 v = self.order.feed(self.lowered.feed_channels[slot])
             bundled = self.lowered.bundled
@@ -206,14 +182,6 @@ class _LazyFeeds:
             else:
                 self.values[slot] = v
         return v
-
-    def step_bundle(self) -> None:
-        """Dequeue the step bundle: every slot's value (once, before the first record:
-        `_ChannelReplay.run`)."""
-        if not self.values.keys() >= set(self.lowered.bundled):
-            with self.spans.channel():
-                comps = self.order.feed(self.lowered.step_bundle)
-            self.values.update(zip(self.lowered.bundled, comps))
 
     def _derive(self, slot):
         """Slot `slot`'s value computed in the graph by its rules (`LoweredPath.derived`)."""

@@ -77,12 +77,6 @@ class Executable:
         """Whether the run starts with the iteration (else at the first feed put)."""
         raise NotImplementedError
 
-    def fetch_ready(self) -> bool:
-        """Whether a fetch may wait for the run now: False while a step bundle still lacks a
-        feed (the run waits for the whole element: a read then falls back, and the path
-        learns it)."""
-        return True
-
     def fetchable(self, ref) -> bool:
         raise NotImplementedError
 
@@ -171,10 +165,6 @@ class PathRun(Executable):
         # whether this run put anything into the graph's feed channels: `runner.fed` forgets a
         # feed of an op that diverged half-way (`_rollback`), but the channel holds it
         self.put_any = False
-        # a graph taking the iteration's feeds as one element (path_lowering, `step_bundle`):
-        # slot -> the tensor Python supplied, put with the last
-        self.bundle = {} if getattr(path.graph, "step_bundle", None) is not None else None
-        self.bundle_put = False
 
     def _put_constants(self) -> None:
         constants, self.constants = self.constants, None
@@ -201,12 +191,6 @@ class PathRun(Executable):
     def put_feed(self, slot, value) -> bool:
         if self.constants:
             self._put_constants()
-        if self.bundle is not None:  # converted now (a copy: the array may change before)
-            g = self.graph
-            self.bundle[slot] = g.step_bundle.convert(materialized(value), g.bundled.index(slot))
-            if len(self.bundle) == len(g.bundled):
-                self._put_bundle()
-            return True
         self.put_any = True
         self.graph.feed_channels[slot].put(materialized(value))
         return True
@@ -230,27 +214,11 @@ class PathRun(Executable):
         return self.graph.commit_channel is not None
 
     def put_commit(self) -> None:
-        if self.bundle is not None and not self.bundle_put:
-            self._put_bundle()
         self.put_any = True
         self.graph.commit_channel.put(token())
 
-    def _put_bundle(self) -> None:
-        """The step bundle's one element. At the commit, a slot Python never supplied can only
-        be one whose ops the iteration left, pure (the pure tail, iteration_end.py): it gets the
-        value the path was traced with, as that tail's feeds do."""
-        g = self.graph
-        comps = [self.bundle[s] if s in self.bundle else
-                 g.step_bundle.convert(self.path.trace.feed_values[s], k)
-                 for k, s in enumerate(g.bundled)]
-        self.put_any = self.bundle_put = True
-        g.step_bundle.put(comps)
-
     def needs_commit(self, ref) -> bool:
         return ref in self.graph.commit_dependent
-
-    def fetch_ready(self) -> bool:
-        return self.bundle is None or self.bundle_put
 
     def starts_early(self) -> bool:
         # else at the first feed: a feed of another signature (the next batch has another

@@ -299,9 +299,7 @@ class Iteration(IterationEnd):
                 s.inflight.collect()  # our run comes after theirs anyway; may fall back
             if self.mode == Mode.SKIP:
                 exe = self.exe
-                if exe.fetchable(ref) and ref not in self.fetched and not exe.fetch_ready():
-                    self.start_graph()  # (a held run's puts are made at its release)
-                if exe.fetchable(ref) and ref not in self.fetched and exe.fetch_ready():
+                if exe.fetchable(ref) and ref not in self.fetched:
                     if exe.needs_commit(ref) and not self.committed:
                         self.commit(final=False)
                         if self.mode != Mode.SKIP:
@@ -331,11 +329,9 @@ class Iteration(IterationEnd):
                         self.path.absorb_fetch(ref, self.runner.pos)
                         if self.path.view is not None and ref.record in self.path.view.twins:
                             self.path.twin_misses.add(ref)
-                    early = exe.fetchable(ref) and ref not in self.fetched  # (not fetch_ready)
-                    self.fallback(Divergence(
-                        user_line(), "no fetch", f"fetch of %{ref.record}", self.runner.pos,
-                        "value read before Python supplied every feed of the step bundle" if early
-                        else "value needed by Python that the graph does not fetch"))
+                    self.fallback(Divergence(user_line(), "no fetch", f"fetch of %{ref.record}",
+                                             self.runner.pos, "value needed by Python that the "
+                                             "graph does not fetch"))
                 return self.replayed[(ref.record, ref.index)]
             if self.pending:
                 v = self._early_liveout(ref)

@@ -12,8 +12,7 @@ from terra.compiler import xla
 from terra.compiler.channels import Unread
 from terra.compiler.path_lowering import LoweredPath
 from terra.config import CONFIG
-from terra.ir.op_kinds import DATA_DEPENDENT_SHAPE_OPS
-from terra.ir.records import FeedRef, OutputRef
+from terra.ir.records import OutputRef
 from terra.runtime.graph_runner import GraphRunner
 
 if TYPE_CHECKING:
@@ -85,7 +84,6 @@ class PathGraph:
     output, and the path's live-out values as the function's outputs."""
 
     run_config = None  # each run keeps the configured ConfigProto (see SiteGraph.run_config)
-    step_bundle = None
     build_seconds = 0.0  # its lowering's time, as `Builds` measured it (policy.takes_site_graph)
 
     def __init__(self, path: "Path", unknown=None, bundled=(), derived=None):
@@ -107,25 +105,17 @@ class PathGraph:
         twins = path.view.twins if path.view is not None else frozenset()
         held = frozenset(r for r in path.liveouts
                          if r.record in twins and r not in path.twin_misses)
-        step = unknown is None and _takes_step_bundle(path, bundled, derived)
-        # (`unknown` given: a shape group's graph, whose members put their own constants)
         lowered = LoweredPath(path.trace, fetch_points, path.liveouts, CONFIG.xla,
-                              bundled=bundled, derived=derived, commit=commit, held=held,
-                              step_bundle=step)
+                              bundled=bundled, derived=derived, commit=commit, held=held)
         if unknown is None:
             unknown = frozenset(r for r, s in lowered.shapes.items() if not s.is_fully_defined())
         if guess and unknown:
             path.static.assume_unknown(unknown)
         gates = _unit_shape_checks(path, unknown)  # (adds the fetch points the checks read)
         _shape_reads(path, unknown)
-        again = step and bool(unknown)
-        if gates or skip_fetch_points(path) != fetch_points or again:
-            step = step and not again and not gates and \
-                _takes_step_bundle(path, bundled, derived)
+        if gates or skip_fetch_points(path) != fetch_points:
             lowered = LoweredPath(path.trace, skip_fetch_points(path), path.liveouts, CONFIG.xla,
-                                  gates, bundled, derived, commit, held, step_bundle=step)
-        # one put of every feed once Python has supplied the last (None: a put per feed)
-        self.step_bundle = lowered.step_bundle
+                                  gates, bundled, derived, commit, held)
         self.gate_channels = lowered.gate_channels
         # the writes wait for Python's commit (None: a snapshot before every run instead)
         self.commit_channel = lowered.commit_channel
@@ -207,39 +197,6 @@ class PathGraph:
     def stall_seconds(self) -> float:
         return sum(ch.stall_seconds for ch in dict.fromkeys(self.feed_channels)
                    if ch is not None)
-
-
-def _takes_step_bundle(path, bundled, derived) -> bool:
-    """Whether the path's graph takes all of an iteration's feeds as one element, put once
-    Python has supplied the last (`CONFIG.bundle_feeds`; compiler/path_lowering.py): where
-    Python supplies every feed before it reads any value of the run. Every read the traced
-    iterations made counts, also one a unit skipped whole no longer makes, and every value the
-    program keeps past the iteration (a live-out: its channel answers a read whenever it comes)
-    must be made after the last feed: a read before the element is complete would wait for a
-    run that waits for the element (Python falls back instead: `Executable.fetch_ready`). Not
-    for a path whose last op waits for its run (`PathView.end_sync`), one with a data-dependent
-    shape (a shape read fetches), nor a shape group's graph (its constants have a bundle of
-    their own).
-
-    Each put is an eager op, and right after the program's thread has waited for the previous
-    run one costs 10-40 times its cost in a tight loop (benchmarks/skeleton.py). A run starts
-    only once the previous one has ended, by when Python, which waited for that end, has
-    supplied this iteration's feeds: while iterations overlap, the graph loses no time."""
-    view = path.view
-    if not (CONFIG.bundle_feeds and not CONFIG.xla and not bundled and not derived
-            and getattr(path, "group", None) is None and (view is None or not view.end_sync)):
-        return False
-    first_use = {}
-    for rec in path.trace.records:
-        if rec.op_type in DATA_DEPENDENT_SHAPE_OPS:
-            return False
-        for r in rec.input_refs():
-            if isinstance(r, FeedRef):
-                first_use.setdefault(r.slot, rec.index)
-    last_feed = max(first_use.values(), default=-1)
-    # (a shape the graph knows is read without it; one it does not is data-dependent)
-    reads = [*path.fetch_points.values(), *(ref.record for ref in path.liveouts)]
-    return len(first_use) > 1 and all(last_feed < r for r in reads)
 
 
 def _no_arithmetic_rewrites(config) -> None:
