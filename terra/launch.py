@@ -35,8 +35,8 @@ def parser() -> argparse.ArgumentParser:
         "tf.GradientTape it opens is a Terra tape.", epilog=_HELP_TAIL,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         # no abbreviations: the program's own options come after it, and one of them that
-        # abbreviates two of these (`--b`: `--background-builds`, `--bundle-feeds`) would
-        # stop the launch as ambiguous before the program runs
+        # abbreviates two of these (`--s`: `--stats`, `--site-graph`, ...) would stop the
+        # launch as ambiguous before the program runs
         allow_abbrev=False)
     p.add_argument("--stats", action="store_true",
                    help="print terra.summary() to stderr when the program ends")

@@ -142,3 +142,11 @@ def test_environment_hook_enables_terra_only_when_asked(program, tmp_path):
 def test_environment_options_parse():
     assert env_hook.options("1") == []
     assert env_hook.options("--stats --max-traces 4") == ["--stats", "--max-traces", "4"]
+
+
+def test_a_programs_own_option_that_abbreviates_several_of_terras_reaches_the_program():
+    """`--s` would abbreviate `--stats`, `--site-graph`, `--shape-groups` and `--speculation`:
+    after the script it is the program's, never an ambiguous option of the launcher's."""
+    from terra.launch import parser
+    a = parser().parse_args(["--stats", "train.py", "a", "--s", "--st"])
+    assert a.stats and a.script == "train.py" and a.args == ["a", "--s", "--st"]
