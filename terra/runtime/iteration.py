@@ -121,6 +121,11 @@ class Iteration(IterationEnd):
             if span[0] is tape and span[2] is None:
                 span[2] = self.position()
 
+    def tape_open(self) -> bool:
+        """Whether a tape this iteration entered is still open: the program is inside its
+        step, so an op past the path's end is not the loop being over."""
+        return any(span[2] is None for span in self.tape_spans)
+
     def frame_alive(self) -> bool:
         f = sys._getframe(1)
         target = self.frame

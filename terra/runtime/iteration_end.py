@@ -35,8 +35,9 @@ class IterationEnd:
 
     def finish_past_end(self, d: Divergence) -> None:
         """The program issued an op after the last op of the path (typically: the training loop
-        is over): end the iteration here; that op and the next ones run eagerly, outside any
-        iteration, until the next tape."""
+        is over; never while a tape of the iteration is open, `tape_open`): end the iteration
+        here; that op and the next ones run eagerly, outside any iteration, until the next
+        tape."""
         s = self.session
         where = "after the last op of the path" if d.position >= self.path.view.n else \
             "where only host ops were left of the path (path_view.host_tail)"

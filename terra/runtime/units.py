@@ -537,7 +537,8 @@ def function_call(session, fn, original, args, kwargs):
             return _pack_results(unit.structure, out)
         except Diverged as d:
             runner.rollback(mark)
-            if runner.pos >= runner.view.n and not it.extended_elsewhere():  # the loop is over
+            if runner.pos >= runner.view.n and not it.extended_elsewhere() and \
+                    not it.tape_open():  # the loop is over
                 with session.internal():
                     it.finish_past_end(_past_end(d.divergence))
                 return original(fn, *real_values(args), **real_values(kwargs))

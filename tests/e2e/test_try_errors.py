@@ -138,6 +138,46 @@ def test_a_try_around_the_whole_step_adds_no_sync_point():
     c.assert_counts(traces=4, graph_builds=1, fallbacks=1)
 
 
+def _caught_at_a_new_batch_size(Tape, steps=8, bad=4):
+    """Batches of 1 and 2 rows; the first batch of 2 fails inside the tape (a column out of
+    range) and the program skips that step; the next batch of 2 does not fail."""
+    keras.utils.set_random_seed(0)
+    model, opt = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]), \
+        keras.optimizers.SGD(0.1)
+    xs = np.random.default_rng(0).normal(size=(steps, 2, 4)).astype("float32")
+    caught, losses = [], []
+    for step in range(steps):
+        x = tf.constant(xs[step][:[1, 1, 1, 1, 2, 2, 1, 2][step]])
+        try:
+            with Tape() as tape:
+                out = model(x)
+                col = 5 if step == bad else 0
+                loss = tf.reduce_mean(out ** 2) + tf.reduce_sum(tf.gather(out, [col], axis=1))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            losses.append(float(loss))
+        except tf.errors.InvalidArgumentError as e:
+            caught.append((step, type(e).__name__))
+    return caught, losses, int(opt.iterations), [v.numpy() for v in model.weights]
+
+
+def test_a_path_that_ended_at_a_caught_error_is_traced_on_inside_the_tape():
+    """The step that failed was traced up to the failing op: its path ends there, inside the
+    tape's block. The next step of that batch size goes past that end while its tape is still
+    open, so the program is inside its step, not past the loop: it falls back and is traced on
+    (it used to end the iteration there and run the rest eagerly, off the tape: "No gradients
+    provided for any variable")."""
+    eager = _caught_at_a_new_batch_size(tf.GradientTape)
+    assert eager[0] == [(4, "InvalidArgumentError")]
+    with CompileCounter() as c:
+        got = _caught_at_a_new_batch_size(tf.TerraGradientTape)
+    _assert_equal(eager, got)
+    # steps 0-3: two paths traced, one built; step 4 falls back at its new batch size and is
+    # traced to the failing op (built); step 5 falls back past that end and is traced whole
+    # (a shape group with the batch of 1: built); steps 6 and 7 switch
+    c.assert_counts(traces=5, graph_builds=3, fallbacks=2, path_switches=3)
+
+
 def _first_call_offsets(fn):
     import dis
     return [(ins.positions.lineno - fn.__code__.co_firstlineno, ins.offset)

@@ -42,7 +42,11 @@ def test_range_of_a_variable_times_an_input_reads_its_real_length():
                 items = [int(x) for x in r]
             out.append((v, items, tuple(r.shape)))
         return out
-    _both(program).assert_counts(traces=2, graph_builds=1, fallbacks=0)
+    # the loop over the range runs inside the tape's block: a longer range goes past the end
+    # of the path of a shorter one while the tape is open, which falls back and traces the
+    # new length (iterations 4 and 7; the site graph is rebuilt with each new path)
+    site = terra.config()["site_graph"] is True
+    _both(program).assert_counts(traces=4, graph_builds=5 if site else 3, fallbacks=2)
 
 
 def test_shape_read_without_iteration_is_the_real_shape():
