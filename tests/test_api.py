@@ -71,6 +71,23 @@ def test_coexecution_equals_eager_and_counts():
     assert s["graph_exec_s"] > 0 and s["python_exec_s"] > 0
 
 
+def test_a_path_graph_times_its_feeds_in_one_variable():
+    """graph_stall_s of path graphs: each timed feed's wait goes to its graph's one StallTimer,
+    summed once per run, not to a variable and an update per channel."""
+    from terra.runtime.session import SESSION
+    _train(tf.TerraGradientTape)
+    graphs = [p.graph for site in SESSION.sites.values() for p in site.paths.values()
+              if p.graph is not None]
+    assert len(graphs) == 1
+    (g,) = graphs
+    timed = [ch for ch in dict.fromkeys(g.feed_channels) if ch is not None and ch.timed]
+    assert timed and g.stall is not None
+    assert all(ch._stall is None for ch in timed)
+    types = [op.type for op in g.concrete.graph.get_operations()]
+    assert types.count("Timestamp") == 2 * len(timed)
+    assert terra.stats()["graph_stall_s"] == g.stall.seconds
+
+
 def test_disabled_is_plain_tape():
     terra.config(enabled=False)
     try:

@@ -14,7 +14,10 @@ instead of after the timeout.
 
 Stall accounting: a timed `dequeue_op` brackets the dequeue with two `tf.timestamp` ops (the first
 waits for the same control inputs as the dequeue, so it fires when the dequeue becomes runnable)
-and adds the difference to a float64 variable. `FetchChannel.get` accumulates the Python-side wait.
+and adds the difference to a float64 variable: the channel's own, or, given a `StallTimer`, the
+one variable of the graph being built, updated once at the graph's end with the sum of its
+dequeues' waits (a path graph with 90 feeds made 90 variables eagerly, and ran 180 ops more a
+step, with one per channel). `FetchChannel.get` accumulates the Python-side wait.
 """
 import collections
 import time
@@ -25,7 +28,7 @@ import tensorflow as tf
 from terra import _tf_private as tfp
 from terra.errors import ChannelClosedError, TerraRuntimeError, TerraTimeoutError
 
-__all__ = ["FeedChannel", "FetchChannel", "FeedFetchOrder", "case_select_channel",
+__all__ = ["FeedChannel", "FetchChannel", "FeedFetchOrder", "StallTimer", "case_select_channel",
            "loop_cond_channel", "DEFAULT_TIMEOUT", "wait_until", "Unread"]
 
 # Python's side of a channel runs TF's raw queue ops (public, no per-call name scope)
@@ -185,6 +188,31 @@ class _Channel:
         return bool(self.queue.is_closed())
 
 
+class StallTimer:
+    """The graph-wide stall accumulator of one graph function: timed dequeues built with it add
+    their waits to `waits`; `close()`, at the end of the function's body, adds their sum to one
+    variable (one update per run, after the graph's last dequeue)."""
+
+    def __init__(self, name):
+        with tf.init_scope():
+            self.variable = tf.Variable(0.0, dtype=tf.float64, trainable=False,
+                                        name=name.replace("/", "_") + "_stall")
+        self.waits = []
+
+    def close(self):
+        """Inside the function being built: the update of the variable (None: no timed wait)."""
+        if not self.waits:
+            return None
+        return self.variable.assign_add(tf.add_n(self.waits))
+
+    @property
+    def seconds(self) -> float:
+        return float(self.variable.numpy())
+
+    def reset(self) -> None:
+        self.variable.assign(0.0)
+
+
 class FeedChannel(_Channel):
     """Python -> graph. `put` eagerly; `dequeue_op` inside the graph function."""
 
@@ -194,8 +222,8 @@ class FeedChannel(_Channel):
         super().__init__(dtypes, shapes, name, capacity)
         self.timed = timed
         self.puts = 0
-        self._stall = tf.Variable(0.0, dtype=tf.float64, trainable=False,
-                                  name=self.name.replace("/", "_") + "_stall")
+        self._stall = None  # the channel's own accumulator, made by its first timed dequeue
+        # built without a StallTimer
 
     def put(self, value, timeout=None):
         """Enqueue one element (non-blocking unless a bounded capacity is full)."""
@@ -211,11 +239,13 @@ class FeedChannel(_Channel):
             raise ChannelClosedError(f"{self!r} is closed") from e
         self.puts += 1
 
-    def dequeue_op(self, control_inputs=()):
+    def dequeue_op(self, control_inputs=(), stall: StallTimer | None = None):
         """Graph side: dequeue the next element (blocks the graph until Python has put it).
 
         `control_inputs` are ops that must run first (Output-Fetching ops that Python reads before
-        supplying this feed, Figure 3.4). Returns a tensor, or a tuple for several components.
+        supplying this feed, Figure 3.4). `stall`: the graph's StallTimer, which a timed dequeue
+        reports its wait to (else the channel's own variable takes it). Returns a tensor, or a
+        tuple for several components.
         """
         if tf.executing_eagerly():
             raise RuntimeError(f"{self!r}.dequeue_op() is for use inside a tf.function")
@@ -230,6 +260,13 @@ class FeedChannel(_Channel):
             comps = _as_list(self.queue.dequeue())
         with tf.control_dependencies(comps):
             t1 = tf.timestamp()
+        if stall is not None:
+            stall.waits.append(t1 - t0)
+            return self._pack([self._restore_shape(c, s) for c, s in zip(comps, self.shapes)])
+        if self._stall is None:
+            with tf.init_scope():
+                self._stall = tf.Variable(0.0, dtype=tf.float64, trainable=False,
+                                          name=self.name.replace("/", "_") + "_stall")
         add = self._stall.assign_add(t1 - t0)
         # The value carries the timer update, so graphs without automatic control dependencies
         # (which prune unused stateful ops) keep it too.
@@ -245,11 +282,13 @@ class FeedChannel(_Channel):
 
     @property
     def stall_seconds(self):
-        """Cumulative seconds the graph waited on this channel's dequeues (timed channels)."""
-        return float(self._stall.numpy())
+        """Cumulative seconds the graph waited on this channel's dequeues (timed channels built
+        without a StallTimer: the others' waits are their graph's)."""
+        return 0.0 if self._stall is None else float(self._stall.numpy())
 
     def reset_stats(self):
-        self._stall.assign(0.0)
+        if self._stall is not None:
+            self._stall.assign(0.0)
         self.puts = 0
 
 
@@ -410,16 +449,17 @@ class FeedFetchOrder:
     trace order) safe, and they make the stall timer of a timed dequeue start when it can run.
     """
 
-    def __init__(self):
+    def __init__(self, stall: StallTimer | None = None):
         self._last_feed = None
         self._fetches_since_feed = []
         self._last_fetch = {}
+        self.stall = stall  # the graph's StallTimer, for the timed dequeues
 
     def feed(self, channel):
         control = list(self._fetches_since_feed)
         if self._last_feed is not None:
             control.append(self._last_feed)
-        value = channel.dequeue_op(control_inputs=control)
+        value = channel.dequeue_op(control_inputs=control, stall=self.stall)
         comps = list(value) if isinstance(value, tuple) else [value]
         self._last_feed = comps[0].op if len(comps) == 1 else tf.group(*comps)
         self._fetches_since_feed = []

@@ -39,7 +39,7 @@ import tensorflow as tf
 
 from terra import _tf_private as tfp
 from terra.compiler import commit, replay, xla
-from terra.compiler.channels import FeedChannel, FeedFetchOrder, FetchChannel
+from terra.compiler.channels import FeedChannel, FeedFetchOrder, FetchChannel, StallTimer
 from terra.compiler.names import op_node_name
 from terra.ir.records import FeedRef, OutputRef
 
@@ -86,11 +86,16 @@ class LoweredPath:
                 self.fetch_at.setdefault(len(trace.records), []).append(ref)
         self.xla_spans = 0
         liveouts = self.liveouts
+        # the seconds the graph waits on its timed feeds, summed once per run (channels.py)
+        self.stall = StallTimer("terra_path") if any(
+            ch is not None and ch.timed for ch in self.feed_channels) or self.gates else None
 
         def body():
-            order = FeedFetchOrder()
+            order = FeedFetchOrder(self.stall)
             builder = _ChannelReplay(trace, self, order, xla_scopes)
             env = builder.run()
+            if self.stall is not None:
+                self.stall.close()
             self.xla_spans = builder.spans.count
             if self.commit_channel is not None:
                 self._gate_writes(env)

@@ -130,6 +130,7 @@ class PathGraph:
         self.fetch_at = lowered.fetch_at
         self.liveouts = lowered.liveouts
         self.concrete = lowered.concrete
+        self.stall = lowered.stall  # the graph's waits on its feeds (channels.StallTimer)
         self.xla_spans = lowered.xla_spans
         # fetch channel -> elements that finished iterations left in it unread (their runs
         # enqueue them; the next reader skips them first)
@@ -195,8 +196,8 @@ class PathGraph:
 
     @property
     def stall_seconds(self) -> float:
-        return sum(ch.stall_seconds for ch in dict.fromkeys(self.feed_channels)
-                   if ch is not None)
+        return (self.stall.seconds if self.stall is not None else 0.0) + sum(
+            ch.stall_seconds for ch in dict.fromkeys(self.feed_channels) if ch is not None)
 
 
 def _no_arithmetic_rewrites(config) -> None:
