@@ -169,6 +169,12 @@ def control_inputs_pending() -> bool:
     return bool(_ops.get_default_graph()._current_control_dependencies())  # pylint: disable=protected-access
 
 
+def attr_scope_active() -> bool:
+    """Whether an op created now in the default graph gets attrs from an enclosing attr scope
+    (an XLA `jit_scope` marks its ops so)."""
+    return bool(_ops.get_default_graph()._attr_scope_map)  # pylint: disable=protected-access
+
+
 def add_control_input(op, control) -> None:
     """Make graph op `op`, already created, wait for op `control` (what TF's automatic control
     dependencies do after the fact; terra/compiler/commit.py gates writes this way)."""

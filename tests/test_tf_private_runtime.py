@@ -181,6 +181,19 @@ def test_control_inputs_pending_sees_control_dependencies_blocks():
     assert seen == [False, True, False, False]
 
 
+def test_attr_scope_active_sees_xla_jit_scopes():
+    seen = []
+
+    def body():
+        seen.append(tfp.attr_scope_active())
+        with tf.xla.experimental.jit_scope():
+            seen.append(tfp.attr_scope_active())
+        seen.append(tfp.attr_scope_active())
+        return tf.constant(0)
+    tf.function(body, autograph=False).get_concrete_function()
+    assert seen == [False, True, False]
+
+
 def test_eager_tensor_of_array_copies_like_conversion():
     import numpy as np
     for arr in (np.arange(12, dtype=np.int32).reshape(3, 4), np.float32(2.5) * np.ones((2,)),

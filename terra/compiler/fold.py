@@ -22,15 +22,21 @@ whose outputs would be large constants (`MAX_ELEMENTS`).
 Once shapes are constants, the reductions over no axes and reshapes to the input's own shape
 that eager's gradient code issues wherever a shape could have been broadcast are the identity
 (`IDENTITY_RULES`: TF's kernels forward their input then): the graph hands the input on.
+
+`graph_constant` makes the emitter's constants: one op per value in a graph where nothing scopes
+it, and a table of their values that the rules read instead of the op's proto.
 """
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 import tensorflow as tf
 
 from terra import _tf_private as tfp
 
-__all__ = ["FOLDABLE", "EVALUATED", "IDENTITY_RULES", "MAX_ELEMENTS", "fold", "identity_input"]
+__all__ = ["FOLDABLE", "EVALUATED", "IDENTITY_RULES", "MAX_ELEMENTS", "fold", "identity_input",
+           "graph_constant"]
 
 #: Largest number of elements of all outputs of one folded op (a constant lives in the graph).
 MAX_ELEMENTS = 4096
@@ -124,13 +130,43 @@ def identity_input(op_type: str, flat_inputs) -> int | None:
     return 0 if rule(flat_inputs) else None
 
 
+# graph -> ({id(Const op): its value}, {(dtype, shape, bytes): tensor}) of the constants
+# `graph_constant` made there (the graph keeps its ops alive, so their ids stay unique)
+_MADE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def graph_constant(value: np.ndarray, dtype) -> tf.Tensor:
+    """A constant holding `value` in the graph being built, its value remembered for the rules
+    here (no read back of its proto), and one per value where nothing scopes the op (no control
+    inputs, no XLA scope): eager's gradient code makes the same small shapes over and over, and
+    a Const's creation costs more than the lookup."""
+    g = tf.compat.v1.get_default_graph()
+    dtype = tf.as_dtype(dtype)
+    value = np.asarray(value, dtype=dtype.as_numpy_dtype)
+    values, shared = _MADE.get(g) or _MADE.setdefault(g, ({}, {}))
+    key = None
+    if not tfp.control_inputs_pending() and not tfp.attr_scope_active():
+        key = (dtype, value.shape, value.tobytes())
+        t = shared.get(key)
+        if t is not None:
+            return t
+    t = tf.constant(value, dtype=dtype)
+    values[id(t.op)] = value
+    if key is not None:
+        shared[key] = t
+    return t
+
+
 def _const_value(t):
     """The value of graph tensor `t` if it is a constant of the graph being built, else None."""
     if not isinstance(t, tf.Tensor) or getattr(t, "op", None) is None or t.op.type != "Const":
         return None
-    if t.graph is not tf.compat.v1.get_default_graph():
+    g = tf.compat.v1.get_default_graph()
+    if t.graph is not g:
         return None
-    return tf.make_ndarray(t.op.get_attr("value"))
+    made = _MADE.get(g)
+    value = made[0].get(id(t.op)) if made is not None else None
+    return value if value is not None else tf.make_ndarray(t.op.get_attr("value"))
 
 
 def fold(op_type: str, flat_inputs, attrs: dict, attrs_flat: tuple, out_dtypes) -> list | None:

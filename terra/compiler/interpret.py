@@ -111,12 +111,15 @@ class Interpreter:
         if isinstance(ref, ConstRef):
             c = self.consts.get(ref)
             if c is None:
-                c = self.consts[ref] = constant(ref)
+                c = self.consts[ref] = self.make_constant(ref)
             return c
         raise TypeError(f"{type(self).__name__}: unknown input ref {ref!r}")
 
     def feed(self, slot):
         return self.feeds[slot]
+
+    def make_constant(self, ref: ConstRef):
+        return constant(ref)
 
     def variable(self, ref: VariableRef, dtype):
         raise NotImplementedError

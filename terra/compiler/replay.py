@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from terra import _tf_private as tfp
-from terra.compiler.fold import FOLDABLE, fold, identity_input
+from terra.compiler.fold import FOLDABLE, fold, graph_constant, identity_input
 from terra.compiler.interpret import Interpreter, attrs_flat
 from terra.ir.op_kinds import HOST_OPS
-from terra.ir.records import FeedRef, OutputRef, Trace, VariableRef
+from terra.ir.records import ConstRef, FeedRef, OutputRef, Trace, VariableRef
 
 
 def _thaw_shape(v):
@@ -85,6 +86,12 @@ class GraphReplay(Interpreter):
     """The graph emitter of the trace interpreter: rebuilds records in the current (function)
     graph."""
 
+    def make_constant(self, ref: ConstRef):
+        if ref.dtype == "string":
+            return super().make_constant(ref)
+        return graph_constant(np.array(ref.value, dtype=tf.as_dtype(ref.dtype).as_numpy_dtype),
+                              ref.dtype)
+
     def variable(self, ref: VariableRef, dtype):
         var = self.trace.variables[ref.key]
         if dtype is None or dtype == "resource":
@@ -116,7 +123,7 @@ class GraphReplay(Interpreter):
             values = fold(rec.op_type, flat, dict(rec.attrs), attrs_flat(rec),
                           [o.dtype for o in rec.outputs])
             if values is not None:
-                return [tf.constant(v, dtype=o.dtype) for v, o in zip(values, rec.outputs)]
+                return [graph_constant(v, o.dtype) for v, o in zip(values, rec.outputs)]
         protos = _protos_of(rec, op_def)
         if protos is not None:
             try:

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from terra.compiler import compile_trace, substitute_feeds
 from terra.compiler.fold import (EVALUATED, IDENTITY_RULES, MAX_ELEMENTS, STATIC_SHAPE_RULES,
-                                 fold, identity_input)
+                                 _const_value, fold, graph_constant, identity_input)
 from terra.tracing import Recorder
 
 I32 = "int32"
@@ -121,6 +121,28 @@ def test_identities_hand_the_input_on_unless_control_inputs_are_pending():
     assert {k for k, v in out.items() if v is not None} == {
         "sum over no axes", "reshape to own shape", "tile by ones"}
     assert out["sum over no axes"] == 0
+
+
+def test_graph_constants_are_one_per_value_unless_the_op_is_scoped(monkeypatch):
+    def build():
+        a = graph_constant(np.array([2, 3]), I32)
+        b = graph_constant(np.array([2, 3], np.int64), I32)  # the same int32 value
+        c = graph_constant(np.array([2, 3]), "int64")        # another dtype
+        d = graph_constant(np.array([3, 2]), I32)            # another value
+        with tf.control_dependencies([tf.no_op()]):
+            e = graph_constant(np.array([2, 3]), I32)        # waits for something
+        with tf.xla.experimental.jit_scope():
+            f = graph_constant(np.array([2, 3]), I32)        # marked for XLA
+        # the rules read the values made here without reading the op's proto back
+        monkeypatch.setattr(tf, "make_ndarray", None)
+        values = [_const_value(t) for t in (a, c, d, e, f)]
+        return (a, b, c, d, e, f), values
+    (a, b, c, d, e, f), values = _in_graph(build)
+    assert a is b
+    assert len({id(t) for t in (a, c, d, e, f)}) == 5
+    assert [v.tolist() for v in values] == [[2, 3], [2, 3], [3, 2], [2, 3], [2, 3]]
+    assert [t.dtype for t in (a, c, d, e, f)] == [tf.int32, tf.int64, tf.int32, tf.int32, tf.int32]
+    assert e.op.control_inputs and not a.op.control_inputs
 
 
 def test_identity_rules_match_what_tf_computes():
