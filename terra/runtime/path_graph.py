@@ -70,7 +70,12 @@ def _unit_shape_checks(path, unknown) -> dict:
     gates = {}
     for u in path.view.units.values():
         read = [r for r in path.view.shapes_read_by(u) if r in unknown]
-        if read:
+        # not a unit whose Python read a value it computes itself (LossScaleOptimizer's finite
+        # check): skip mode reads that value before it opens the unit's gate, and the graph
+        # would compute it only after (each waiting for the other). Its ops run ungated then:
+        # the check still comes first on the Python side, and a run it rejects is abandoned
+        if read and not any(isinstance(r, OutputRef) and u.start <= r.record < u.end
+                            for r, _ in u.reads):
             gates[u.start] = u.end
         for r in read:
             if r not in path.fetch_points:
