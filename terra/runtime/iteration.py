@@ -122,9 +122,14 @@ class Iteration(IterationEnd):
                 span[2] = self.position()
 
     def tape_open(self) -> bool:
-        """Whether a tape this iteration entered is still open: the program is inside its
-        step, so an op past the path's end is not the loop being over."""
-        return any(span[2] is None for span in self.tape_spans)
+        """Whether a tape this iteration entered before the current op is still open: ops of
+        its block were skipped (the graph computes them), so the program is inside its step and
+        an op past the path's end is not the loop being over; run eagerly, it would miss the
+        tape's record of the skipped ones. (A tape entered right here, at the path's end, has
+        skipped nothing: its block may run eagerly, recorded as eager's, like a GAN's
+        generator step after a critic step's path.)"""
+        pos = self.position()
+        return any(span[2] is None and span[1] < pos for span in self.tape_spans)
 
     def frame_alive(self) -> bool:
         f = sys._getframe(1)

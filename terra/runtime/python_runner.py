@@ -190,8 +190,9 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
                         self.rollback(mark)
                         d = d2
             # past the path's end: the loop may be over, unless another path goes on from
-            # here, or the program is still inside a tape's block (a path traced through a
-            # step that raised, and the program caught, ends at the op that failed)
+            # here, or the program is still inside a tape's block whose ops were skipped (a
+            # path traced through a step that raised, and the program caught, ends at the op
+            # that failed)
             if d.divergence.kind is DivergenceKind.PAST_END and \
                     not self.iteration.extended_elsewhere() and \
                     not self.iteration.tape_open() or self._in_host_tail(d.divergence):
