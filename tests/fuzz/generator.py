@@ -22,6 +22,12 @@ Python loop over steps with `with Tape() as tape:`), made of features drawn from
   gradient, a second tape and optimizer in the step (as in a GAN), an op inside
   `tape.stop_recording()` at random steps only (the same op, recorded otherwise), a batch size
   drawn per step from three (shape groups)
+- added later (`EXTENDED`, drawn after the above): two epochs, a generator of batches, a user
+  layer with Python state, a sequence of a length drawn per step (with a causal mask of it), an
+  image resized to a size Python computes, rows chosen by value (a data-dependent shape), a Keras
+  metric, recursion, a hand-updated variable, `tf.cond`, NumPy batches, a layer frozen mid-run,
+  `tf.py_function`, a `tf.data` loop, a branch on `optimizer.iterations`; and `fit`: the
+  program as `keras.Model.fit(run_eagerly=True)` over a custom `train_step` (`_fit_program`)
 
 The script's harness (`run_both`) runs the program eagerly (`tf.GradientTape`) and then under
 Terra (`tf.TerraGradientTape`, after `terra.reset()`, with a short `timeout_s`), and compares
@@ -34,6 +40,7 @@ a feature (see `KNOWN_GAPS` in tests/fuzz/runner.py) leaves the seed's other cho
 """
 from __future__ import annotations
 
+import contextlib
 import random
 from contextlib import contextmanager
 
@@ -46,7 +53,16 @@ FEATURES = (
     "print", "fetch_each_step", "clip", "tf_function", "lr_assign", "small_last_batch",
     "end_iteration", "grad_accum", "loss_scale", "value_shape", "var_counter", "noise",
     "opt_build", "persistent", "second_tape", "stop_recording", "varying_batch",
+    # drawn after all of the above (`EXTENDED`): the programs of earlier seeds keep their choices
+    "epochs", "generator", "user_layer", "sequence", "resize", "mask", "metric",
+    "recursion", "manual_update", "tf_cond", "numpy_batch",
+    "freeze", "py_function", "tf_data", "iterations_branch", "fit",
 )
+#: Features added later than the others: off for a regression seed, whose program stays the one
+#: that found its bug (tests/fuzz/test_fuzz.py).
+EXTENDED = ("epochs", "generator", "user_layer", "sequence", "resize", "mask", "metric",
+            "recursion", "manual_update", "tf_cond", "numpy_batch",
+            "freeze", "py_function", "tf_data", "iterations_branch", "fit")
 
 
 class _Src:
@@ -161,6 +177,38 @@ def choose(seed: int, exclude=()) -> dict:
     feat("varying_batch", 0.25)  # (drawn after stop_recording, for the same reason)
     c["batch_sizes"] = [r.choice([c["batch"], max(1, c["batch"] - 1), max(1, c["batch"] - 2)])
                         for _ in range(c["steps"])]
+    # ---- EXTENDED features (drawn last, in this order)
+    feat("epochs", 0.2)  # the steps run twice (compiled paths run again, a path meets its past)
+    feat("generator", 0.2)  # batches come from a Python generator
+    feat("user_layer", 0.2)  # a user-defined layer, with Python state it mutates or without
+    c["gate_every"] = r.choice([0, 2, 3])  # 0: pure; else every n-th call scales by 0.5
+    feat("sequence", 0.25)  # a sequence input of a length drawn per step (shape groups)
+    c["seq_max"] = r.randint(3, 5)
+    c["seq_lens"] = [r.randint(2, c["seq_max"]) for _ in range(c["steps"])]
+    c["seq_causal"] = r.random() < 0.5  # a causal mask made from the length Python reads
+    feat("resize", 0.2)  # an image resized to a size Python computes from a random ratio
+    c["resize_ratios"] = r.choice([[0.5, 1.5], [0.5, 0.75, 1.5], [0.75]])
+    feat("mask", 0.2)  # a data-dependent shape: rows chosen by value
+    c["mask_kind"] = r.choice(["boolean_mask", "where"])
+    c["mask_read"] = r.choice([None, "log", "branch"])  # what Python does with the row count
+    feat("metric", 0.25)  # a Keras Mean metric updated every step, read and reset
+    c["metric_every"] = r.randint(1, 3)
+    feat("recursion", 0.15)  # a recursive Python function of random depth in the forward pass
+    c["recursion_max"] = r.randint(1, 3)
+    feat("manual_update", 0.2)  # an extra variable updated by hand with a Python-float rate
+    c["manual_decay"] = r.choice([0.5, 0.9])
+    feat("tf_cond", 0.15)  # tf.cond on a tensor predicate (eagerly: one branch runs)
+    feat("numpy_batch", 0.2)  # the model called on NumPy arrays, not tensors
+    feat("freeze", 0.15)  # the head's layer is frozen from a step on (the trained list changes)
+    c["freeze_at"] = r.randint(1, c["steps"] - 1)
+    feat("py_function", 0.15)  # a tf.py_function in the loss (Python run by the op)
+    feat("tf_data", 0.2)  # batches from a tf.data.Dataset (instead of slicing arrays)
+    feat("iterations_branch", 0.15)  # a branch on optimizer.iterations, read in Python
+    # Keras `fit(run_eagerly=True)` over a custom `train_step` (`_fit_program`), instead of a
+    # loop of the program's own: the features that apply to a train_step are kept
+    feat("fit", 0.15)
+    c["fit_shuffle"] = r.random() < 0.5
+    c["fit_validation"] = r.random() < 0.4
     c["features"] = on
     return c
 
@@ -212,12 +260,29 @@ def generate(seed: int, exclude=(), timeout_s: float = 20.0, exact: bool = False
       "",
       "",
       )
+    if f["user_layer"]:
+        s("class Gate(keras.layers.Layer):",
+          '    """A user-defined layer; with `every`, it counts its calls and scales every n-th."""',
+          "",
+          "    def __init__(self, every, **kwargs):",
+          "        super().__init__(**kwargs)",
+          "        self.every, self.calls = every, 0",
+          "",
+          "    def build(self, shape):",
+          '        self.w = self.add_weight(shape=(shape[-1],), initializer="ones")',
+          "",
+          "    def call(self, x):",
+          "        if not self.every:",
+          "            return x * self.w",
+          "        self.calls += 1",
+          "        return x * self.w * (0.5 if self.calls % self.every == 0 else 1.0)",
+          "", "")
     if f["tf_function"]:
         s("@tf.function",
           "def penalty(ws):",
           "    return tf.add_n([tf.reduce_sum(w * w) for w in ws])",
           "", "")
-    _program(s, c)
+    (_fit_program if f["fit"] else _program)(s, c)
     s("", "")
     s(*_HARNESS.splitlines())
     return "\n".join(s.lines) + "\n"
@@ -262,6 +327,24 @@ def _program(s: _Src, c: dict) -> None:
         if f["inner_loop"]:
             s(f'block = keras.Sequential([keras.Input(({H},)), keras.layers.Dense({H}, activation="tanh")])')
             models.append("block")
+        if f["user_layer"]:
+            s(f"gate = Gate({c['gate_every']})",
+              f"gate.build((None, {H}))")
+            models.append("gate")
+        if f["sequence"]:
+            s(f'seqnet = keras.Sequential([keras.Input((None, 2)), keras.layers.Dense({H}, activation="tanh")])')
+            models.append("seqnet")
+        if f["resize"]:
+            # (a Dense per pixel, not a Conv2D: graph kernels round a convolution's last bit
+            # differently from eager's, docs/testing.md)
+            s(f'pixels = keras.Sequential([keras.Input((None, None, 1)), '
+              f'keras.layers.Dense({H}, activation="relu")])')
+            models.append("pixels")
+        if f["recursion"]:
+            with s.block("def deepen(h, k):  # recursion of a depth drawn per step"):
+                with s.block("if k == 0:"):
+                    s("return h")
+                s("return deepen(h + 0.1 * tf.tanh(h), k - 1)")
         opt = {"SGD": f'keras.optimizers.SGD({c["lr"]})',
                "SGD_momentum": f'keras.optimizers.SGD({c["lr"]}, momentum=0.9)',
                "Adam": f'keras.optimizers.Adam({c["lr"]})',
@@ -274,6 +357,9 @@ def _program(s: _Src, c: dict) -> None:
         s(f"opt = {opt}",
           f"R[\"models\"], R[\"opt\"] = [{', '.join(models)}], opt",
           f"params = {' + '.join(m + '.trainable_variables' for m in models)}")
+        if f["manual_update"]:
+            s(f"bias = tf.Variable(tf.zeros(({out_dim},)))  # updated by hand, not by the optimizer",
+              'R["extra"] = [bias]  # compared with the variables')
         if f["second_tape"]:
             s("aux_opt = keras.optimizers.SGD(0.01)")
             s('R["aux_opt"] = aux_opt')
@@ -300,6 +386,11 @@ def _program(s: _Src, c: dict) -> None:
                 c["nan_in_loss"] = val
             else:
                 s(f"{where}s[{c['nan_step']}, 0, 0] = {val}  # a bad batch")
+        if f["sequence"]:
+            s(f'ss = drng.normal(size=({T}, {B}, {c["seq_max"]}, 2)).astype("float32")',
+              f"seq_lens = {c['seq_lens']!r}")
+        if f["metric"]:
+            s("metric = keras.metrics.Mean()")
         s("state = State()")
         if f["value_shape"]:
             s(f"lengths = {c['shape_values']!r}")
@@ -315,16 +406,45 @@ def _program(s: _Src, c: dict) -> None:
             s("kept_grads = []")
         s('R["losses"], R["log"] = [], []')
         # ---------------------------------------------------------------- loop
-        with s.block(f"for step in range({T}):"):
+        data = []  # the lines that make one step's batch
+        if f["varying_batch"]:
+            data += [f"n = {c['batch_sizes']!r}[step]  # a batch size drawn per step",
+                     "x, y = tf.constant(xs[step][:n]), tf.constant(ys[step][:n])"]
+        elif f["small_last_batch"]:
+            data += [f"n = {B} if step < {T - 1} else {max(1, B - 1)}  # a smaller last batch",
+                     "x, y = tf.constant(xs[step][:n]), tf.constant(ys[step][:n])"]
+        else:
+            data += ["x, y = tf.constant(xs[step]), tf.constant(ys[step])"]
+        dataset = f["tf_data"] and not (f["generator"] or f["varying_batch"] or
+                                        f["small_last_batch"] or f["sequence"])
+        if dataset:  # the batches come from the dataset; the loop takes them
+            data = []
+        if f["numpy_batch"]:  # the same arrays, not made tensors: Keras converts them
+            data = [line.replace("tf.constant(", "np.asarray(") for line in data]
+        batch = "x, y"
+        if f["sequence"]:
+            rows = ":n" if f["varying_batch"] or f["small_last_batch"] else ":"
+            data.append(f"sx = tf.constant(ss[step][{rows}, :seq_lens[step]])  # this step's length")
+            batch += ", sx"
+        if f["generator"]:
+            with s.block("def batches():  # a generator of the batches"):
+                with s.block(f"for step in range({T}):"):
+                    s(*data)
+                    s(f"yield {batch}")
+        epochs = s.block("for epoch in range(2):") if f["epochs"] else contextlib.nullcontext()
+        loop = f"for step, ({batch}) in enumerate(batches()):" if f["generator"] else \
+            f"for step, ({batch}) in enumerate(dataset):" if dataset else f"for step in range({T}):"
+        if dataset:
+            s("dataset = tf.data.Dataset.from_tensor_slices((xs, ys))  # one batch per element")
+        with epochs, s.block(loop):
             s("STEP[0] = step")
-            if f["varying_batch"]:
-                s(f"n = {c['batch_sizes']!r}[step]  # a batch size drawn per step",
-                  "x, y = tf.constant(xs[step][:n]), tf.constant(ys[step][:n])")
-            elif f["small_last_batch"]:
-                s(f"n = {B} if step < {T - 1} else {max(1, B - 1)}  # a smaller last batch",
-                  "x, y = tf.constant(xs[step][:n]), tf.constant(ys[step][:n])")
-            else:
-                s("x, y = tf.constant(xs[step]), tf.constant(ys[step])")
+            if data and not f["generator"]:
+                s(*data)
+            if f["freeze"]:
+                with s.block(f"if step == {c['freeze_at']}:"):
+                    s("head.layers[-1].trainable = False  # frozen from here on",
+                      'R["log"].append(("frozen", step))')
+                s(f"params = {' + '.join(m + '.trainable_variables' for m in models)}")
             if f["lr_assign"]:
                 s(f"opt.learning_rate.assign({c['lr']} * 0.9 ** step)")
             if f["state_scale"]:
@@ -339,16 +459,23 @@ def _program(s: _Src, c: dict) -> None:
             if f["nan"]:
                 with s.block("if not np.isfinite(float(loss)):"):
                     s('R["log"].append(("skipped", step))', "continue")
-            if f["loss_scale"]:
-                s("grads = tape.gradient(scaled, params)")
+            target = "scaled" if f["loss_scale"] else "loss"
+            if f["manual_update"]:
+                s(f"grads, g_bias = tape.gradient({target}, (params, bias))",
+                  f"bias.assign_sub({c['lr']} * {c['manual_decay']} ** step * g_bias)  # a Python-float rate")
             else:
-                s("grads = tape.gradient(loss, params)")
+                s(f"grads = tape.gradient({target}, params)")
             if f["clip"]:
                 if c["clip_kind"] == "norm":
                     s("grads = [tf.clip_by_norm(g, 1.0) for g in grads]")
                 else:
                     s("grads, norm = tf.clip_by_global_norm(grads, 1.0)")
             s("opt.apply_gradients(zip(grads, params))")
+            if f["metric"]:
+                s("metric.update_state(loss)")
+                with s.block(f"if step % {c['metric_every']} == {c['metric_every'] - 1}:"):
+                    s('R["log"].append(("metric", step, round(float(metric.result()), 4)))',
+                      "metric.reset_state()")
             if f["persistent"]:
                 s("head_grads = tape.gradient(loss, head.trainable_variables)  # a second gradient",
                   "head_norm = float(tf.linalg.global_norm(head_grads))",
@@ -393,7 +520,116 @@ def _program(s: _Src, c: dict) -> None:
             s('R["kept"] = [float(v) for v in kept]')
         if f["keep_grads"]:
             s('R["kept_grads"] = [g.numpy() for g in kept_grads]')
+        if f["user_layer"]:
+            s('R["gate_calls"] = gate.calls')
+        if f["metric"]:
+            s('R["metric"] = round(float(metric.result()), 4)')
         s('R["state"] = (state.scale, state.seen, state.history)')
+
+
+def _fit_program(s: _Src, c: dict) -> None:
+    """The program as Keras' `fit` runs it: a model whose `train_step` opens the tape, fed
+    arrays by `fit(..., run_eagerly=True)` (each step one Terra iteration), with callbacks that
+    read the logs and may stop training."""
+    f = c["features"]
+    B, D, H, T = c["batch"], c["d_in"], c["hidden"], c["steps"]
+    out_dim = c["classes"] if f["classifier"] else 1
+    training = "True" if c["dropout_training"] else "False"
+    layers = [f"keras.layers.Embedding({c['vocab']}, {H})",
+              "keras.layers.GlobalAveragePooling1D()"] if f["embedding"] else []
+    layers.append(f"keras.layers.Dense({H}, activation={c['acts'][0]!r})")
+    if f["layernorm"]:
+        layers.append("keras.layers.LayerNormalization()")
+    if f["batchnorm"]:
+        layers.append("keras.layers.BatchNormalization()")
+    if f["dropout"]:
+        layers.append(f'keras.layers.Dropout({c["dropout_rate"]}, seed={c["seed"] % 97})')
+    with s.block("def program(Tape, R):"):
+        s("keras.utils.set_random_seed(SEED)",
+          "prng = random.Random(SEED + 1)  # the program's own Python-random choices",
+          "drng = np.random.default_rng(SEED)")
+        with s.block("class Net(keras.Model):"):
+            with s.block("def __init__(self):"):
+                s("super().__init__()",
+                  "self.trunk = keras.Sequential([" + ", ".join(layers) + "])",
+                  f"self.head = keras.layers.Dense({out_dim})",
+                  'self.tracker = keras.metrics.Mean(name="loss")',
+                  "self.scale, self.steps = 1.0, 0  # Python state of the model")
+            s("")
+            with s.block("def call(self, x, training=False):"):
+                s("return self.head(self.trunk(x, training=training))")
+            s("")
+            s("@property")
+            with s.block("def metrics(self):"):
+                s("return [self.tracker]")
+            s("")
+            with s.block("def train_step(self, data):"):
+                s("x, y = data", "self.steps += 1")
+                if f["state_scale"]:
+                    s(f"self.scale *= {c['decay']}")
+                with s.block("with Tape() as tape:"):
+                    s(f"out = self(x, training={training})")
+                    if f["classifier"]:
+                        s("loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy("
+                          "y, out, from_logits=True))")
+                    else:
+                        s("loss = tf.reduce_mean(tf.square(out - y))")
+                    if f["py_branch"]:
+                        with s.block(f"if prng.random() < {c['py_p']}:  # a Python-random branch"):
+                            s("loss = loss + 1e-3 * tf.reduce_sum(tf.square(self.head.kernel))",
+                              'R["log"].append(("reg", self.steps))')
+                    if f["value_branch"]:
+                        with s.block(f"if float(loss) > {c['value_t']}:  # a branch on a fetched value"):
+                            s("loss = loss * 0.5", 'R["log"].append(("big", self.steps))')
+                    if f["numpy_scalar"]:
+                        s("m = float(np.mean(out.numpy()))  # a value read with .numpy()",
+                          "loss = loss * (1.0 + 0.01 * np.tanh(m))")
+                    if f["state_scale"]:
+                        s("loss = loss * self.scale")
+                    if f["mask"]:
+                        s("sel = tf.boolean_mask(out, out[:, 0] > 0.0)  # rows chosen by value",
+                          "loss = loss + 0.01 * tf.reduce_sum(tf.square(sel))")
+                s("grads = tape.gradient(loss, self.trainable_variables)")
+                if f["clip"]:
+                    s("grads, _ = tf.clip_by_global_norm(grads, 1.0)")
+                s("self.optimizer.apply_gradients(zip(grads, self.trainable_variables))",
+                  "self.tracker.update_state(loss)",
+                  'return {"loss": self.tracker.result()}')
+        s("")
+        with s.block("class Log(keras.callbacks.Callback):"):
+            with s.block("def on_train_batch_end(self, batch, logs=None):"):
+                s("STEP[0] = batch")
+                if f["print"]:
+                    s('R["log"].append(("batch", batch, round(float(logs["loss"]), 4)))')
+                if f["break_value"]:
+                    with s.block(f'if float(logs["loss"]) < {c["break_t"]}:'):
+                        s("self.model.stop_training = True", 'R["log"].append(("stop", batch))')
+            with s.block("def on_epoch_end(self, epoch, logs=None):"):
+                s('R["losses"].append(float(logs["loss"]))')
+        s("")
+        n = T * B - (1 if f["small_last_batch"] else 0)
+        if f["embedding"]:
+            s(f'xs = drng.integers(0, {c["vocab"]}, size=({n}, {c["seq"]})).astype("int32")')
+        else:
+            s(f'xs = drng.normal(size=({n}, {D})).astype("float32")')
+        if f["classifier"]:
+            s(f'ys = drng.integers(0, {out_dim}, size=({n},)).astype("int32")')
+        else:
+            s(f'ys = drng.normal(size=({n}, 1)).astype("float32")')
+        opt = {"SGD": f'keras.optimizers.SGD({c["lr"]})',
+               "SGD_momentum": f'keras.optimizers.SGD({c["lr"]}, momentum=0.9)',
+               "Adam": f'keras.optimizers.Adam({c["lr"]})',
+               "RMSprop": f'keras.optimizers.RMSprop({c["lr"]})'}[c["optimizer"]]
+        s("model = Net()",
+          f"model.compile(optimizer={opt}, run_eagerly=True)",
+          'R["losses"], R["log"] = [], []',
+          'R["models"], R["opt"] = [model], model.optimizer')
+        val = ", validation_data=(xs[:3], ys[:3])" if c["fit_validation"] else ""
+        s(f"model.fit(xs, ys, batch_size={B}, epochs={2 if f['epochs'] else 1}, "
+          f"shuffle={c['fit_shuffle']}, verbose=0, callbacks=[Log()]{val})")
+        if f["end_iteration"]:
+            s("terra.end_iteration()")
+        s('R["state"] = (model.scale, model.steps)')
 
 
 def _tape(s: _Src, c: dict, training: str) -> None:
@@ -414,14 +650,50 @@ def _tape(s: _Src, c: dict, training: str) -> None:
                     s("h = h + 0.1 * tf.reduce_mean(params[0])")
             with s.block("else:"):
                 s("h = h + 0.1 * tf.reduce_mean(params[0])")
+        if f["user_layer"]:
+            s("h = gate(h)")
+        if f["sequence"]:
+            s("hs = seqnet(sx)  # (rows, length, hidden)")
+            if c["seq_causal"]:
+                s("L = sx.shape[1]  # the length, read in Python",
+                  "tri = tf.linalg.band_part(tf.ones((L, L)), -1, 0)  # a causal mask of it",
+                  "hs = tf.matmul(tri, hs) / float(L)")
+            s("h = h + 0.1 * tf.reduce_mean(hs, axis=1)")
+        if f["resize"]:
+            s(f"side = max(1, int(4 * prng.choice({c['resize_ratios']!r})))  # a size Python computes",
+              "img = tf.reshape(tf.tile(h, [1, 16])[:, :16], (-1, 4, 4, 1))",
+              "img = tf.image.resize(img, (side, side))",
+              "h = h + 0.1 * tf.reduce_mean(pixels(img), axis=(1, 2))")
         if f["inner_loop"]:
             with s.block(f"for _ in range(prng.randint(1, {c['inner_max']})):  # a loop of random length"):
                 s("h = h + 0.5 * block(h)")
+        if f["recursion"]:
+            s(f"h = deepen(h, prng.randint(0, {c['recursion_max']}))")
+        if f["tf_cond"]:
+            s("h = tf.cond(tf.reduce_mean(h) > 0.0, lambda: h * 0.9, lambda: h + 0.05)")
+        if f["iterations_branch"]:
+            with s.block("if int(opt.iterations) % 2 == 1:  # a branch on the optimizer's count"):
+                s("h = h * 1.05")
         s("out = head(h)")
+        if f["manual_update"]:
+            s("out = out + bias")
         if f["classifier"]:
             s("loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, out, from_logits=True))")
         else:
             s("loss = tf.reduce_mean(tf.square(out - y))")
+        if f["py_function"]:
+            s("loss = loss + 0.01 * tf.py_function(lambda v: v * v, [loss], tf.float32)  # Python in an op")
+        if f["mask"]:
+            if c["mask_kind"] == "boolean_mask":
+                s("sel = tf.boolean_mask(out, out[:, 0] > 0.0)  # rows chosen by value")
+            else:
+                s("sel = tf.gather_nd(out, tf.where(out[:, 0] > 0.0))  # rows chosen by value")
+            s("loss = loss + 0.01 * tf.reduce_sum(tf.square(sel))")
+            if c["mask_read"] == "log":
+                s('R["log"].append(("rows", step, int(sel.shape[0])))')
+            elif c["mask_read"] == "branch":
+                with s.block("if 2 * sel.shape[0] > out.shape[0]:  # a branch on the row count"):
+                    s("loss = loss * 1.1")
         if c.get("nan_in_loss"):
             with s.block(f"if step == {c['nan_step']}:"):
                 s(f"loss = loss * {c['nan_in_loss']}  # a bad step")
@@ -510,14 +782,15 @@ def run(Tape):
             terra.end_iteration()
         except Exception as e:
             end_error = f"{type(e).__name__}: {str(e)[:300]}"
-    out = {k: v for k, v in R.items() if k not in ("models", "opt", "aux_opt")}
+    out = {k: v for k, v in R.items() if k not in ("models", "opt", "aux_opt", "extra")}
     out["printed"] = printed.getvalue().splitlines()
     out["error"] = error
     out["end_error"] = end_error
     if "opt" in R:
         out["iterations"] = int(R["opt"].iterations)
         out["variables"] = [v.numpy() for m in R["models"] for v in m.weights] + \\
-            [v.numpy() for o in (R["opt"], R.get("aux_opt")) if o for v in o.variables]
+            [v.numpy() for o in (R["opt"], R.get("aux_opt")) if o for v in o.variables] + \\
+            [v.numpy() for v in R.get("extra", ())]
     return out
 
 
