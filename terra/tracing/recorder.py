@@ -36,6 +36,13 @@ STATE_CREATING_OPS = frozenset({"VarHandleOp", "DestroyResourceOp", "_VarHandles
 
 UNREPLAYABLE_EXTERNAL_DTYPES = frozenset({"variant", "resource"})
 
+# `tf.py_function` / `tf.numpy_function`: each call registers its Python function under a new
+# `token` attr, and the op calls whatever function its token names. A graph holding the op would
+# call the first call's function (a closure over that step's Python state) every step after, so
+# a path holding one is not compiled; its token is not recorded, so that the path is one path
+# whatever call made it, and `explain()` says why once.
+PY_FUNC_OPS = frozenset({"EagerPyFunc", "PyFunc", "PyFuncStateless"})
+
 
 # ------------------------------------------------------------------------------- attr freezing
 def _shape(v):
@@ -453,6 +460,9 @@ class Recorder(hook.Interceptor):
             refs = tuple(self._arg_refs(arg, v, full) for arg, v in zip(info.inputs, per_arg))
             if op_type in HOST_OPS:  # eager's per-call seeds: a host op runs as the program says
                 full = {k: v for k, v in full.items() if k not in ("seed", "seed2")}
+            elif op_type in PY_FUNC_OPS:
+                full = {k: v for k, v in full.items() if k != "token"}
+                self._problems.append("runs Python inside an op (tf.py_function)")
             frozen = tuple(sorted(full.items()))
             if op_type in STATE_CREATING_OPS:
                 self._problems.append("creates state")

@@ -206,3 +206,37 @@ def test_iterations_that_raise_before_any_op_do_not_make_the_site_eager():
     assert s["graph_builds"] == 1, explain
     assert "empty iteration (no TF op ran): not filed" in explain
     assert "stays eager" not in explain
+
+
+# ------------------------------------------------------------------ tf.py_function
+def _py_function_step(Tape, steps=8):
+    w = tf.Variable([[0.5], [-0.3]])
+    x = tf.constant([[1.0, 2.0]])
+    calls, losses = [], []
+    for step in range(steps):
+        def square_plus_step(v, step=step):  # a closure over this step's Python value
+            calls.append(step)
+            return v * v + float(step)
+        with Tape() as tape:
+            loss = tf.reduce_sum(tf.matmul(x, w) ** 2)
+            loss = loss + 0.01 * tf.py_function(square_plus_step, [loss], tf.float32)
+        w.assign_sub(0.01 * tape.gradient(loss, w))
+        losses.append(float(loss))
+    terra.end_iteration()
+    return losses, calls, w.numpy()
+
+
+def test_a_py_function_keeps_its_site_eager_after_one_repeat_and_says_why():
+    """A py_function's op calls whatever Python function its per-call `token` names: a graph
+    would call the first step's closure every step. Its path is one path whatever the token, not
+    compilable, so the site stays eager once it repeats (2 traces, not `max_traces`), with the
+    reason in explain(); the closure runs once per step with that step's value, as in eager."""
+    eager = _py_function_step(tf.GradientTape)
+    terra.reset()
+    with pytest.warns(RuntimeWarning, match="tf.py_function"):
+        got = _py_function_step(tf.TerraGradientTape)
+    assert got[0] == eager[0] and got[1] == eager[1] == list(range(8))
+    np.testing.assert_array_equal(got[2], eager[2])
+    s = terra.stats()
+    assert (s["traces"], s["graph_builds"], s["fallbacks"]) == (2, 0, 0), terra.explain()
+    assert "runs Python inside an op (tf.py_function)" in terra.explain()
