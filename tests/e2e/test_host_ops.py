@@ -240,3 +240,31 @@ def test_a_py_function_keeps_its_site_eager_after_one_repeat_and_says_why():
     s = terra.stats()
     assert (s["traces"], s["graph_builds"], s["fallbacks"]) == (2, 0, 0), terra.explain()
     assert "runs Python inside an op (tf.py_function)" in terra.explain()
+
+
+def _py_function_every_fourth(Tape, steps=16):
+    w = tf.Variable([[0.5], [-0.3]])
+    x = tf.constant([[1.0, 2.0]])
+    losses = []
+    for step in range(steps):
+        with Tape() as tape:
+            loss = tf.reduce_sum(tf.matmul(x, w) ** 2)
+            if step % 4 == 3:
+                loss = loss + 0.01 * tf.py_function(lambda v: v * v, [loss], tf.float32)
+        w.assign_sub(0.01 * tape.gradient(loss, w))
+        losses.append(float(loss))
+    terra.end_iteration()
+    return losses, w.numpy()
+
+
+def test_a_py_function_branch_falls_back_and_the_other_path_stays_compiled():
+    """The path without the py_function compiles; each step that calls it falls back at the
+    op and is traced, as one path seen again (its token is not part of it)."""
+    eager = _py_function_every_fourth(tf.GradientTape)
+    terra.reset()
+    got = _py_function_every_fourth(tf.TerraGradientTape)
+    assert got[0] == eager[0]
+    np.testing.assert_array_equal(got[1], eager[1])
+    s = terra.stats()
+    assert (s["traces"], s["graph_builds"], s["fallbacks"]) == (6, 1, 4), terra.explain()
+    assert "path p1 seen 4 times; not compilable" in terra.explain()
