@@ -189,13 +189,14 @@ class PythonRunner(UnitSkipping, NewShapes, hook.Interceptor):
                     except Diverged as d2:
                         self.rollback(mark)
                         d = d2
-            # past the path's end: the loop may be over, unless another path goes on from
-            # here, or the program is still inside a tape's block whose ops were skipped (a
-            # path traced through a step that raised, and the program caught, ends at the op
-            # that failed)
-            if d.divergence.kind is DivergenceKind.PAST_END and \
-                    not self.iteration.extended_elsewhere() and \
-                    not self.iteration.tape_open() or self._in_host_tail(d.divergence):
+            # past the path's end (or where only its host-op tail is left): the loop may be
+            # over, unless another path goes on from here, or the program is still inside a
+            # tape's block whose ops were skipped (a path traced through a step that raised, and
+            # the program caught, ends at the op that failed; then only the next batch's host
+            # op may follow it)
+            if (d.divergence.kind is DivergenceKind.PAST_END and
+                    not self.iteration.extended_elsewhere() or
+                    self._in_host_tail(d.divergence)) and not self.iteration.tape_open():
                 self.iteration.finish_past_end(d.divergence)
                 if route != "fast" and isinstance(inputs, list):
                     for i, v in enumerate(inputs):

@@ -178,6 +178,49 @@ def test_a_path_that_ended_at_a_caught_error_is_traced_on_inside_the_tape():
     c.assert_counts(traces=5, graph_builds=3, fallbacks=2, path_switches=3)
 
 
+def _caught_in_a_dataset_loop(Tape, steps=8, bad=3):
+    """A loop over a tf.data dataset; from step `bad` on the step scales by another Python
+    constant, and step `bad` fails inside the tape (a column out of range), skipped by the
+    program. Its path ends at the failing op, followed only by the next batch's
+    IteratorGetNext (a host op)."""
+    keras.utils.set_random_seed(0)
+    model, opt = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]), \
+        keras.optimizers.SGD(0.1)
+    rng = np.random.default_rng(0)
+    ds = tf.data.Dataset.from_tensor_slices(rng.normal(size=(steps, 2, 4)).astype("float32"))
+    caught, losses = [], []
+    for step, x in enumerate(ds):
+        try:
+            with Tape() as tape:
+                out = model(x) * (0.5 if step >= bad else 1.0)
+                col = 5 if step == bad else 0
+                loss = tf.reduce_mean(out ** 2) + tf.reduce_sum(tf.gather(out, [col], axis=1))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            losses.append(float(loss))
+        except tf.errors.InvalidArgumentError as e:
+            caught.append((step, type(e).__name__))
+    return caught, losses, int(opt.iterations), [v.numpy() for v in model.weights]
+
+
+def test_a_path_that_ended_at_a_caught_error_before_the_next_batch_is_traced_on():
+    """Found by the fuzzer (seed 539). The next step of the failed step's constant switches to
+    its path and reaches the op that failed there, where only the next batch's host op is left
+    of the path: with its tape open, the program is inside its step, so it falls back and is
+    traced on (it used to end the iteration there as at an epoch's end, and run the rest
+    eagerly, off the tape: "No gradients provided for any variable")."""
+    eager = _caught_in_a_dataset_loop(tf.GradientTape)
+    assert eager[0] == [(3, "InvalidArgumentError")]
+    with CompileCounter() as c:
+        got = _caught_in_a_dataset_loop(tf.TerraGradientTape)
+    _assert_equal(eager, got)
+    # iterations 1-3: two paths traced, one built; 4 (step 3) falls back at the new constant
+    # and is traced to the failing op (built); 5 takes that path and falls back where the op
+    # failed, traced whole (the constant made a feed: built); 6 falls back once more at the
+    # gradient and its path is built; 7 and 8 run compiled
+    c.assert_counts(traces=6, graph_builds=4, fallbacks=3, path_switches=0)
+
+
 def _first_call_offsets(fn):
     import dis
     return [(ins.positions.lineno - fn.__code__.co_firstlineno, ins.offset)
