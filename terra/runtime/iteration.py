@@ -404,6 +404,8 @@ class Iteration(IterationEnd):
         switch (`case_switches`). `accepts(q)`: whether path `q` can take what Python does at
         `pos` (paths that cannot are not tried: each restart costs a variable restore)."""
         runner, cur, pos = self.runner, self.path, self.runner.pos
+        if not runner.skipping:  # it fell back already (a read waited for a failed run)
+            return False
         if runner.shape_from is not None:  # its placeholders hold shapes no path was traced with
             return False
         prefix = cur.switch_signature()[:pos]
@@ -483,9 +485,15 @@ class Iteration(IterationEnd):
             self.site_graph_due = True
 
     def fallback(self, d: Divergence):
-        """Leave skip mode (see terra/runtime/fallback.py); returns the recorder now active."""
+        """Leave skip mode (see terra/runtime/fallback.py); returns the recorder now active.
+
+        Once per iteration: a read that waited for a failed run may have fallen back already
+        (inside a unit's check, say), and its caller then falls back for its own reason; the
+        prefix was replayed then, and replaying it again would repeat its writes."""
         s = self.session
         runner = self.runner
+        if self.mode == Mode.TRACING and not runner.skipping and self.missed:
+            return self.recorder
         runner.skipping = False
         self.missed = True
         s.count_fallback(self, d)

@@ -61,6 +61,10 @@ class UnitSkipping:
                 self.feed(slot, obj, obj)
             changed = self._changed_shape(unit) or self._changed_read(unit)  # (after the
             # unit's feeds: a read may need them)
+            if not self.skipping:  # a read waited for a run that failed: it fell back there
+                raise Diverged(changed or Divergence(
+                    user_line(), "a value", "a graph error", self.pos,
+                    "the graph failed while the unit's reads were checked"))
             if changed is None:
                 break
             self.rollback(mark)
