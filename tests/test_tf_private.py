@@ -5,9 +5,14 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from terra import _tf_private as tfp
+
+# These read TF's attributes as TF defines them: a test before them in the same process may
+# have left Terra's hook installed (a session keeps it between iterations until reset).
+pytestmark = pytest.mark.usefixtures("fresh_terra")
 
 
 def test_tf_version_is_the_verified_one():

@@ -17,6 +17,10 @@ from tensorflow.python.framework import tensor_conversion_registry  # noqa: E402
 
 from terra import _tf_private as tfp  # noqa: E402
 
+# These read TF's attributes as TF defines them: a test before them in the same process may
+# have left Terra's hook installed (a session keeps it between iterations until reset).
+pytestmark = pytest.mark.usefixtures("fresh_terra")
+
 
 def test_tensor_classes():
     assert tfp.Tensor is tf.Tensor

@@ -14,6 +14,10 @@ from tensorflow.python.framework import op_callbacks
 from terra import _tf_private as tfp
 from terra.tracing import Recorder, hook
 
+# These read TF's attributes as TF defines them: a test before them in the same process may
+# have left Terra's hook installed (a session keeps it between iterations until reset).
+pytestmark = pytest.mark.usefixtures("fresh_terra")
+
 
 def _attr_identities():
     return {(getattr(o, "__name__", o), a): hook._raw(o, a) for o, a in hook.patched_attributes()}
