@@ -37,8 +37,8 @@ class Config:
       24% away from eager's in 14 steps with it; equal without, docs/usage.md).
     remapper: let Grappler's remapper fuse ops of generated graphs (MatMul / Conv2D + BiasAdd +
       activation into one kernel). Off by default: the fused kernels differ from eager's ops on
-      NaN (a Dense layer's fused ReLU turned a NaN input into 0, so a NaN loss came out finite
-      and a user's `isfinite` guard never fired; docs/usage.md).
+      NaN on some CPUs (a Dense layer's fused ReLU turned a NaN input into 0, so a NaN loss came
+      out finite and a user's `isfinite` guard never fired; docs/usage.md).
     constant_folding: let Grappler fold constants in generated graphs. Off by default: besides
       folding, it rewrites arithmetic around constants, which changes rounding; the gradients of
       an Embedding + LayerNormalization model differed from eager's by an ulp from the first
