@@ -80,9 +80,10 @@ class Config:
       True: at every such site. "auto" (the default): at a site whose restarts after a read
       (a random branch after a mid-step read: each restart runs the graph up to the read
       again) have thrown away as much graph time as the site graph would cost to build
-      (runtime/policy.py, `takes_site_graph`); elsewhere paths switch by restarting, which
-      costs no more per step where measured and needs no site-wide rebuild per new path
-      (docs/usage.md, "Branches: the site graph"). False: never.
+      (runtime/policy.py, `takes_site_graph`; a path compiled later joins it once restarts
+      involving it pay for the rebuild: `rebuilds_site_graph`); elsewhere paths switch by
+      restarting, which costs no more per step where measured and needs no site-wide rebuild
+      per new path (docs/usage.md, "Branches: the site graph"). False: never.
     shape_groups: paths that differ only in shapes (another batch size or sequence length) and
       in constants made from them share one graph whose differing dimensions are unknown and
       which computes those constants from the shapes it holds where the members show how: a

@@ -16,6 +16,7 @@ import tensorflow as tf
 from terra.compiler.shapes import unknown_shapes
 from terra.config import CONFIG
 from terra.tracing.gc_window import widened
+from terra.runtime import policy
 from terra.runtime.builder import Builder
 from terra.runtime.fallback import Snapshot, written_variables
 from terra.runtime.path_graph import PathGraph, skip_fetch_points
@@ -402,6 +403,8 @@ class Builds:
         if site.site_graph is not None and site.site_graph.built_for == key or \
                 site.site_graph_failed == key:
             return
+        if self._keeps_site_graph(site, number, key, paths):
+            return
         gated = [p for p in paths if p.graph.gate_channels]
         if gated:  # the site graph's lowering has no gates: each path keeps its own graph
             site.site_graph, site.site_graph_failed = None, key
@@ -424,6 +427,25 @@ class Builds:
             return
         self._use_site_graph(site, number, sg)
 
+    def _keeps_site_graph(self, site, number, key, paths) -> bool:
+        """With site_graph="auto", whether the site graph in place stays as it is although the
+        site's compiled paths changed (`policy.rebuilds_site_graph`): the paths outside it run
+        their own graphs, a switch to or from one of them a restart."""
+        sg = site.site_graph
+        if CONFIG.site_graph != "auto" or sg is None or policy.rebuilds_site_graph(
+                site.outside_restarts, site.outside_restart_s, sg.build_seconds):
+            return False
+        if site.site_graph_kept != key:  # (said once per set of paths)
+            site.site_graph_kept = key
+            outside = [f"p{p.id}" for p in paths if sg.plan_of(p) is None]
+            who = (f"{', '.join(outside)} run their own graphs" if len(outside) > 1 else
+                   f"{outside[0] if outside else 'a changed path'} runs its own graph")
+            self.event("graph_build", site, number, f"site graph kept over {len(sg.paths)} "
+                       f"paths: {who} until restarts after a read involving paths outside it "
+                       f"have thrown away as much graph time as a rebuild costs (about "
+                       f"{policy.SITE_REBUILD_FACTOR * sg.build_seconds:.2f} s)")
+        return True
+
     def _no_site_graph(self, site, number, key, n, error) -> None:
         site.site_graph_failed = key
         self.event("graph_build", site, number, f"no site graph for {n} paths: "
@@ -431,6 +453,7 @@ class Builds:
 
     def _use_site_graph(self, site, number, sg, where="") -> None:
         site.site_graph = sg
+        site.outside_restarts, site.outside_restart_s = 0, 0.0
         self._built(sg, site)
         self.counters.graph_builds += 1
         self.event("graph_build", site, number, f"site graph (switch_case / while_loop) for "

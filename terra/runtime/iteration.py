@@ -456,7 +456,7 @@ class Iteration(IterationEnd):
                 self.hold_for(q)
                 self.exe.replay_puts(runner, pos, self.put_feed)
                 if read:  # Python waited for values of the run cancelled here: the restart
-                    self._read_restart(cancelled)  # runs the graph up to them again
+                    self._read_restart(cancelled, cur, q)  # runs the graph up to them again
                 self.fetched = set()
                 self.fetch_wait = 0.0
                 if CONFIG.coexecution and (self.exe.starts_early() or runner.fed_order):
@@ -468,16 +468,27 @@ class Iteration(IterationEnd):
             return True
         return False
 
-    def _read_restart(self, cancelled) -> None:
-        """Count a restart that throws away graph work Python waited for (the cancelled run's
-        time, at least Python's waits for it); with `site_graph="auto"`, take a site graph once
-        that costs more than building it (`policy.takes_site_graph`), built as this iteration
-        ends."""
+    def _read_restart(self, cancelled, left, taken) -> None:
+        """Count a restart from path `left` to `taken` that throws away graph work Python
+        waited for (the cancelled run's time, at least Python's waits for it); with
+        `site_graph="auto"`, take a site graph once that costs more than building it
+        (`policy.takes_site_graph`), or rebuild the one in place over the paths outside it
+        (`policy.rebuilds_site_graph`), built as this iteration ends."""
         site = self.site
         site.read_restarts += 1
         ran = cancelled.exec_seconds if cancelled is not None and cancelled.done else 0.0
-        site.read_restart_s += max(self.fetch_wait, ran)
-        if CONFIG.site_graph != "auto" or site.wants_site_graph:
+        wasted = max(self.fetch_wait, ran)
+        site.read_restart_s += wasted
+        if CONFIG.site_graph != "auto":
+            return
+        sg = site.site_graph
+        if site.wants_site_graph:
+            if sg is not None and (sg.plan_of(left) is None or sg.plan_of(taken) is None):
+                site.outside_restarts += 1
+                site.outside_restart_s += wasted
+                if policy.rebuilds_site_graph(site.outside_restarts, site.outside_restart_s,
+                                              sg.build_seconds):
+                    self.site_graph_due = True
             return
         builds = sum(p.graph.build_seconds for p in site_paths(site))
         if policy.takes_site_graph(site.read_restarts, site.read_restart_s, builds):

@@ -53,10 +53,16 @@ class IterationEnd:
             self._finish()
             if self.site_graph_due:  # (`Iteration.switch`) between iterations, as builds are
                 self.site_graph_due = False
-                s = self.session
-                s.event("switch", self.site, self.number, f"{self.site.read_restarts} restarts "
-                        "cancelled runs Python had read values of (each runs the graph up to "
-                        "them again): the site takes a site graph (site_graph='auto')")
+                s, site = self.session, self.site
+                if site.site_graph is None:
+                    s.event("switch", site, self.number, f"{site.read_restarts} restarts "
+                            "cancelled runs Python had read values of (each runs the graph up "
+                            "to them again): the site takes a site graph (site_graph='auto')")
+                else:
+                    s.event("switch", site, self.number, f"{site.outside_restarts} restarts "
+                            "after a read involved paths outside the site graph "
+                            f"({site.outside_restart_s:.2f} s of graph thrown away): it is "
+                            "rebuilt over the site's compiled paths (site_graph='auto')")
                 s.builds.site_graph(self.site, self.number)
         finally:
             self.close_gc()

@@ -23,7 +23,11 @@ for the values) as much as the site graph would cost to build (SITE_BUILD_FACTOR
 least READ_RESTARTS of them, the site runs one graph for its compiled paths, where taking a
 branch is a Case-Select put (a rent-or-buy rule: what restarts cost so far bounds what the build
 can cost). A site whose restarts come before any read (Python ahead of the graph) loses little
-to them and keeps its path graphs, with no site-wide rebuild per new path.
+to them and keeps its path graphs, with no site-wide rebuild per new path. Each later rebuild
+(`rebuilds_site_graph`: a path compiled since, which runs its own graph meanwhile) is the same
+bet, priced at what the last site graph cost (SITE_REBUILD_FACTOR times its lowering) and paid
+by the restarts after a read that involved a path outside it: a site whose traces merge badly
+(an unrolled episode of another length per path: thousands of switch-cases) stops rebuilding.
 
 Giving up (`GIVE_UP`, first matching rule): the site's paths keep changing, so each iteration
 costs a fallback and a build, more than running it eagerly; or it falls back more often than its
@@ -36,7 +40,8 @@ from typing import Callable
 
 __all__ = ["BUILDS_PER_TRACE_LIMIT", "CHURN_PATHS", "FIRST_SIGHT_UNUSED", "FIRST_SIGHT_WINDOW",
            "GIVE_UP", "RARE_GAP", "RARE_SIGHTINGS", "Rule", "Tally", "due", "give_up",
-           "late_once", "unused_once", "READ_RESTARTS", "SITE_BUILD_FACTOR", "takes_site_graph"]
+           "late_once", "unused_once", "READ_RESTARTS", "SITE_BUILD_FACTOR",
+           "SITE_REBUILD_FACTOR", "rebuilds_site_graph", "takes_site_graph"]
 
 # a site stays eager after this many builds per `max_traces` while its builds are not
 # outnumbered by the iterations its graphs served (a site whose common path runs most iterations
@@ -54,6 +59,9 @@ RARE_SIGHTINGS = 5
 # lowers each path's ops again, and is instantiated whole: 0.8-2.8x on the programs measured)
 READ_RESTARTS = 3
 SITE_BUILD_FACTOR = 2.0
+# a site graph's rebuild estimated at this many times the last one's lowering (its first
+# instantiation added: 1.4-1.7x the lowering on sdpoint, benchmarks/results/site_build_growth.md)
+SITE_REBUILD_FACTOR = 1.5
 
 
 def takes_site_graph(read_restarts: int, wasted_s: float, path_builds_s: float) -> bool:
@@ -61,6 +69,14 @@ def takes_site_graph(read_restarts: int, wasted_s: float, path_builds_s: float) 
     a read threw away `wasted_s` of graph time Python had waited for; its compiled paths' own
     graphs took `path_builds_s` to build."""
     return read_restarts >= READ_RESTARTS and wasted_s >= SITE_BUILD_FACTOR * path_builds_s
+
+
+def rebuilds_site_graph(read_restarts: int, wasted_s: float, last_lowering_s: float) -> bool:
+    """Whether an "auto" site graph is rebuilt over paths compiled since it was built: the
+    `read_restarts` restarts after a read that involved a path outside it since then threw
+    away `wasted_s` of graph time; the last site graph took `last_lowering_s` to lower."""
+    return read_restarts >= READ_RESTARTS and \
+        wasted_s >= SITE_REBUILD_FACTOR * last_lowering_s
 
 
 def compiled(site) -> bool:

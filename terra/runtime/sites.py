@@ -371,6 +371,11 @@ class Site:
     read_restarts: int = 0   # restarts that cancelled a run Python had read values of
     read_restart_s: float = 0.0  # the time Python had waited for those values
     wants_site_graph: bool = False  # site_graph="auto" chose a site graph (policy.py)
+    # since the last site graph was put in place: restarts after a read that involved a path
+    # outside it, and the graph time they threw away (policy.rebuilds_site_graph)
+    outside_restarts: int = 0
+    outside_restart_s: float = 0.0
+    site_graph_kept: tuple | None = None  # SiteGraph.key_of the paths it was not rebuilt for
     caller_step_try: bool = False   # called inside a per-step try of the program (PathView)
     # whether each of the latest compiled iterations had to leave the path it started on
     misses: collections.deque = field(default_factory=lambda: collections.deque(maxlen=HOLD_WINDOW))

@@ -39,13 +39,16 @@ def free_builds(monkeypatch):
     monkeypatch.setattr(policy, "SITE_BUILD_FACTOR", 0.0)
 
 
-def read_then_branch(Tape, steps=24, read=True):
+def read_then_branch(Tape, steps=24, read=True, late_head=None):
     """A trunk, a read of its loss (a logging check), then one of three heads by Python's
-    `random`: two of the same structure (one graph over either's variables) and one other."""
+    `random`: two of the same structure (one graph over either's variables) and one other;
+    from step `late_head` on, one of four (the fourth another structure again)."""
     keras.utils.set_random_seed(5)
     trunk = keras.Sequential([keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(4)])
     heads = [keras.layers.Dense(1), keras.layers.Dense(1),
              keras.layers.Dense(1, activation="sigmoid")]
+    if late_head is not None:
+        heads.append(keras.layers.Dense(1, activation="relu"))
     inp = keras.Input((4,))
     for h in heads:
         h(trunk(inp))
@@ -63,7 +66,7 @@ def read_then_branch(Tape, steps=24, read=True):
             base = tf.reduce_mean(z ** 2)
             if read:
                 logged.append(float(base))
-            head = heads[rnd.randrange(3)]
+            head = heads[rnd.randrange(4 if late_head is not None and i >= late_head else 3)]
             loss = tf.reduce_mean((head(z) - Y[i]) ** 2) + 0.1 * base
         grads = tape.gradient(loss, variables)
         opt.apply_gradients([(g, v) for g, v in zip(grads, variables) if g is not None])
@@ -78,12 +81,12 @@ def _equal(got, eager):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg="variables")
 
 
-def _run(site_graph, read=True):
+def _run(site_graph, read=True, **kwargs):
     old = terra.config(site_graph=site_graph)
     try:
         terra.reset()
         with CompileCounter() as c:
-            got = read_then_branch(tf.TerraGradientTape, read=read)
+            got = read_then_branch(tf.TerraGradientTape, read=read, **kwargs)
         (site,) = SESSION.sites.values()
         return got, c, terra.explain(), site
     finally:
@@ -143,6 +146,48 @@ def test_exact_counts_of_the_read_then_branch_program(free_builds):
     c.assert_counts(traces=5, fallbacks=2, graph_builds=4, path_switches=3, case_switches=8)
     _, c, _, _ = _run(True)  # (a site graph over the first two compiled paths, then three)
     c.assert_counts(traces=5, fallbacks=2, graph_builds=5, path_switches=0, case_switches=11)
+
+
+def test_a_path_compiled_after_the_site_graph_runs_its_own_graph_until_restarts_pay(
+        free_builds):
+    """A fourth head from step 20 on, after the site took its site graph over three paths: the
+    site graph is kept (a rebuild lowers the whole site again), the new head's path runs its own
+    graph, and a change of head to or from it is a restart. Its restarts after the read throw
+    away well under a millisecond each here, far from the price of a rebuild, so the site graph
+    stays over three paths; `site_graph=True` rebuilds it at once (three builds more)."""
+    eager = read_then_branch(tf.GradientTape, steps=40, late_head=20)
+    got, c, explain, site = _run("auto", steps=40, late_head=20)
+    _equal(got, eager)
+    c.assert_counts(traces=6, fallbacks=3, graph_builds=5, path_switches=9, case_switches=11)
+    assert len(site.site_graph.paths) == 3, explain
+    late = [p for p in site.paths.values() if p.graph is not None and not p.stale
+            and site.site_graph.plan_of(p) is None]
+    assert len(late) == 1, explain
+    assert f"site graph kept over 3 paths: p{late[0].id} runs its own graph" in explain, explain
+    # every restart after the site graph came involved the new head's path
+    assert site.outside_restarts == 6 and site.read_restarts == 9, explain
+    assert site.outside_restart_s < policy.SITE_REBUILD_FACTOR * site.site_graph.build_seconds
+    got, c, explain, site = _run(True, steps=40, late_head=20)
+    _equal(got, eager)
+    c.assert_counts(traces=6, fallbacks=3, graph_builds=7, path_switches=0, case_switches=20)
+    assert len(site.site_graph.paths) == 4 and "kept" not in explain, explain
+
+
+def test_restarts_outside_the_site_graph_that_cost_a_rebuild_rebuild_it(free_builds,
+                                                                       monkeypatch):
+    """Priced at zero, the rebuild comes after READ_RESTARTS restarts that involved the new
+    head's path: from then on the site graph covers four paths and every change of head is a
+    Case-Select put."""
+    monkeypatch.setattr(policy, "SITE_REBUILD_FACTOR", 0.0)
+    eager = read_then_branch(tf.GradientTape, steps=40, late_head=20)
+    got, c, explain, site = _run("auto", steps=40, late_head=20)
+    _equal(got, eager)
+    c.assert_counts(traces=6, fallbacks=3, graph_builds=6, path_switches=6, case_switches=14)
+    assert len(site.site_graph.paths) == 4, explain
+    assert site.outside_restarts == 0, explain  # (counted from the rebuild on)
+    assert f"{policy.READ_RESTARTS} restarts after a read involved paths outside the site " \
+        "graph" in explain, explain
+    assert "site graph (switch_case / while_loop) for 4 paths" in explain, explain
 
 
 def test_restarts_before_any_read_keep_the_path_graphs():

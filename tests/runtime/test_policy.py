@@ -137,3 +137,12 @@ def test_a_site_takes_a_site_graph_once_read_restarts_cost_a_build():
     assert not policy.takes_site_graph(n, f * 0.5 - 1e-3, 0.5)
     assert not policy.takes_site_graph(n - 1, 100.0, 0.5)    # too few restarts to be a pattern
     assert policy.takes_site_graph(n + 10, 100.0, 0.5)
+
+
+def test_a_site_graph_is_rebuilt_once_restarts_outside_it_cost_a_rebuild():
+    n, f = policy.READ_RESTARTS, policy.SITE_REBUILD_FACTOR
+    assert f == 1.5
+    assert policy.rebuilds_site_graph(n, f * 2.0, 2.0)       # priced at the last lowering
+    assert not policy.rebuilds_site_graph(n, f * 2.0 - 1e-3, 2.0)
+    assert not policy.rebuilds_site_graph(n - 1, 100.0, 2.0)
+    assert policy.rebuilds_site_graph(n + 5, 100.0, 2.0)
