@@ -412,7 +412,7 @@ class Locator:
             mine = []
             while loops and loops[0].loop.rpartition("@")[0] == name:
                 mine.append(loops.pop(0))
-            then.append((name, int(offset), mine))
+            then.append((name, -1 if offset == "op" else int(offset), mine))  # (`_op_frames`)
         n = min(len(live), len(then))
         e = 0
         while e < n and live[e][1].label == then[e][0] and stack[live[e][0]].f_lasti == then[e][1]:
@@ -580,12 +580,65 @@ _ABSENT = object()
 _frame_labels: dict = {}
 
 
+_FALLBACK = "_eager_fallback"
+
+
+def _op_frames(entries) -> list:
+    """`entries` (root first) with the frames of a generated op wrapper made one program point.
+    A `gen_*_ops.X` wrapper issues its op from the C fast path at one offset of `X`, or from
+    `X_eager_fallback`, which it calls when an input is not an eager tensor (a placeholder,
+    while Python runs ahead of the graph): the same op of the same call, whose two locations
+    kept two traces of a site from sharing it (each path's copy of it in the site graph). The
+    fallback frame is dropped and `X`'s offset replaced by "op" (`_build`)."""
+    if len(entries) >= 2:
+        info, caller = entries[-1][0], entries[-2][0]
+        if info.library and info.name.endswith(_FALLBACK) and caller.file == info.file and \
+                caller.name == info.name[:-len(_FALLBACK)]:
+            entries = entries[:-1]
+    if entries:
+        info, lasti, iters = entries[-1]
+        if info.library and info.file.startswith("gen_"):
+            callers = entries[:-1]
+            if info.label in _OPERATOR_WRAPPERS:
+                callers = _operator_frames(callers)
+            entries = callers + [(info, lasti, iters, "op")]
+    return entries
+
+
+# An arithmetic operator on tensors (`x * 0.5`, `1.0 - x`) reaches its op through these files'
+# frames (operator override, traceback filter, API dispatch, `math_ops`, weak-tensor wrapper);
+# skip mode issues it through `tf.raw_ops` (`tf_export`'s wrapper; runtime/python_runner.py
+# `_OPERATORS`). Ops of `_OPERATOR_WRAPPERS` issued from user code through these frames alone
+# get the user frame's location with none of them.
+_OPERATOR_FILES = frozenset({"override_binary_operator.py", "tensor_math_operator_overrides.py",
+                             "traceback_utils.py", "dispatch.py", "math_ops.py",
+                             "weak_tensor_ops.py", "tf_export.py"})
+_OPERATOR_WRAPPERS = frozenset({"gen_math_ops.py:add_v2", "gen_math_ops.py:sub",
+                                "gen_math_ops.py:mul", "gen_math_ops.py:real_div",
+                                "gen_math_ops.py:_pow"})
+
+
+def _operator_frames(callers) -> list:
+    """`callers` of a `_OPERATOR_WRAPPERS` op without the operator plumbing between the
+    user's frame and the op (see `_OPERATOR_FILES`): one location for the eager operator and
+    skip mode's `tf.raw_ops` call, so a trace recorded partly in skip mode shares the op with
+    one recorded eagerly."""
+    k = len(callers)
+    while k > 0 and callers[k - 1][0].library and callers[k - 1][0].file in _OPERATOR_FILES \
+            and not callers[k - 1][2]:
+        k -= 1
+    if k == len(callers) or k == 0 or callers[k - 1][0].library:
+        return callers
+    return callers[:k]
+
+
 def _build(key) -> Location:
     frames, loops = [], []
-    for info, lasti, iters in reversed(key):  # root first
-        label = _frame_labels.get((info, lasti))
+    for info, lasti, iters, *at in _op_frames(list(reversed(key))):  # root first
+        at = at[0] if at else lasti
+        label = _frame_labels.get((info, at))
         if label is None:
-            label = _frame_labels[(info, lasti)] = f"{info.label}@{lasti}"
+            label = _frame_labels[(info, at)] = f"{info.label}@{at}"
             line = _line(info.code, lasti)
             FRAME_LINES[label] = (f"{info.file}:{line} ({info.name})", info.library)
             FRAME_SOURCES[label] = (info.code.co_filename, line, info.code.co_name,

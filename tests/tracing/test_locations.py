@@ -275,3 +275,59 @@ def test_the_no_loop_shortcut_finds_what_disassembly_finds(monkeypatch):
     slow = [locations.find_loops(f.__code__) for f in funcs]
     assert fast == slow
     assert sum(bool(x) for x in slow) >= 10 and sum(not x for x in slow) >= 10
+
+
+class _Boxed:
+    """A value TF converts only through its conversion registry, which the C fast path of a
+    generated op wrapper does not consult: the wrapper takes its eager fallback."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+tf.register_tensor_conversion_function(
+    _Boxed, lambda v, dtype=None, name=None, as_ref=False: tf.convert_to_tensor(v.t, dtype))
+
+
+def test_the_fast_path_and_the_eager_fallback_of_an_op_are_one_location():
+    """`gen_math_ops.sub` issues its op from the C fast path, or from `sub_eager_fallback`
+    when an input is not an eager tensor (in co-execution, a value the graph has not computed
+    yet): one program point, one location (else two paths of a site could not share the op)."""
+    from tensorflow.python.ops import gen_math_ops
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "sub_eager_fallback":
+            calls.append(frame.f_code.co_name)
+
+    def prog(a):
+        return gen_math_ops.sub(a, X)
+    (fast,) = _locs(_record(prog, X), "Sub")
+    sys.setprofile(profile)
+    try:
+        (slow,) = _locs(_record(prog, _Boxed(X)), "Sub")
+    finally:
+        sys.setprofile(None)
+    assert calls == ["sub_eager_fallback"]  # (the second really took the fallback)
+    assert fast == slow and fast.frames[-1] == "gen_math_ops.py:sub@op"
+
+
+def test_an_operator_and_its_raw_op_have_the_users_frame_over_the_op():
+    """`x * 0.5` reaches `Mul` through TF's operator plumbing (override, traceback filter,
+    dispatch, `math_ops.multiply`, weak-tensor wrapper); skip mode issues it through
+    `tf.raw_ops.Mul` (runtime/python_runner.py): both locations are the user's frame over the
+    op, so traces recorded each way share it. A Keras layer's op keeps its frames."""
+    dense = keras.layers.Dense(2, use_bias=False)
+    dense(X[None])
+
+    def prog(a):
+        a * 0.5
+        tf.raw_ops.Mul(x=a, y=tf.constant(0.5))
+        dense(a[None])
+
+    mul_eager, mul_raw = _locs(_record(prog, X), "Mul")
+    (matmul,) = _locs(_record(prog, X), "MatMul")
+    for loc in (mul_eager, mul_raw):
+        assert loc.frames[-1] == "gen_math_ops.py:mul@op"
+        assert loc.frames[-2].startswith("test_locations.py:test_an_operator"), loc.frames
+    assert any(f.startswith("dense.py:Dense.call@") for f in matmul.frames[:-1]), matmul.frames
