@@ -59,7 +59,8 @@ from terra.compiler.case_assignment import assign_cases, path_choices
 from terra.compiler.interpret import input_dtypes
 from terra.compiler.merge import shape_key  # what `covers` compares
 from terra.compiler.merge import merge
-from terra.ir.records import SHAPE_CONSTANT, ConstRef, FeedRef, TensorSpec, Trace, VariableRef
+from terra.ir.records import (SHAPE_CONSTANT, SITE_CONSTANT, ConstRef, FeedRef, TensorSpec,
+                              Trace, VariableRef)
 from terra.ir.trace_graph import LOOP, Carried, IterFeed, NodeOut, Phi, Prev, TraceGraph
 from terra.compiler.channels import FeedChannel, FetchChannel
 from terra.compiler.names import op_node_name
@@ -410,17 +411,15 @@ class _Analysis:
 
     def timed_feed(self, nid, pos) -> bool:
         """Whether the feed at input `pos` of node `nid` counts the graph's wait for Python
-        (channels.py): not a shape group's constant, which the runtime puts, not Python."""
+        (channels.py): not a shape group's or a path's constant, which the runtime puts, not
+        Python."""
         for tr, rec in self.records_of(self.node[nid]):
             ref = rec.inputs[pos[0]] if len(pos) == 1 else rec.inputs[pos[0]][pos[1]]
-            if isinstance(ref, FeedRef) and tr.feeds[ref.slot].source != SHAPE_CONSTANT:
+            if isinstance(ref, FeedRef) and tr.feeds[ref.slot].source not in (SHAPE_CONSTANT,
+                                                                              SITE_CONSTANT):
                 return True
         return False
 
-    def slot_feed_spec(self, slot, nid):
-        specs = [self.traces[t].feeds[slot].spec for t in self.node[nid].seen
-                 if t < len(self.traces) and slot < len(self.traces[t].feeds)]
-        return _relax(specs)
 
     def key_spec(self, key):
         kind = key[0]
@@ -836,7 +835,7 @@ class _Lowering:
             consumer, pos = self._carried_consumer(lid, v)
             if isinstance(src, FeedRef):
                 t = self.feed(lid, ("init", consumer, pos), src, scope, points, (_FEED, src.slot),
-                              an.slot_feed_spec(src.slot, lid))
+                              an.feed_spec(consumer, pos))
             elif isinstance(src, NodeOut):
                 t = scope.get((_OUT, src.node, src.index))
                 t = t if t is not None else _dummy(*an.out_spec(src.node, src.index))

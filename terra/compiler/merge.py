@@ -8,9 +8,19 @@ keys aligns with ops of earlier traces (`_alignment`) is matched against their n
 pointer's children only: keys repeat (a backward pass's ops of one kind share one), and the first
 node of the right key is often another block's. A match needs the node's key (type, attrs,
 location, function) and compatible data flow: an input `OutputRef(j)` becomes the node trace-op
-`j` was matched to, variables compare by key, constants by value, feeds by slot. Where the same
+`j` was matched to, variables compare by key, constants by value. Where the same
 slot is fed by different producers on different paths the slot becomes a `Phi`. No match: a new
 node (a branch). After the last op the pointer is joined to `end`.
+
+Feeds: a node's `FeedRef` slots are the graph's own numbering, not a trace's: each trace's slots
+map one-to-one onto graph slots (`_Merger.slot_map`), a trace slot taking the graph slot of the
+first node it matches, or a slot of its own (its own number where no trace used that one yet).
+Traces number their feeds in first-use order, so two paths that part after a different number of
+fed steps (episodes of different lengths) number every later feed differently; matching slots
+by number made each later fed op a node per path, hundreds of one-op switch-cases. The lowering
+reuses a feed dequeued in a dominating scope by graph slot, which the map keeps right: a trace
+that runs both nodes fed the same slot at both. What Python puts at a feed point is the slot of
+the trace's own record there (compiler/plan.py), never the node's.
 
 Loops (`Location.loops`): the records of one run of a loop are grouped by iteration, and every
 iteration is merged as one path through the loop node's `body`, a TraceGraph of its own. Inside a
@@ -411,6 +421,29 @@ def _freeze(st: _State, lid, num_traces) -> TraceGraph:
 
 
 # ---------------------------------------------------------------------------------- merging
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A trace's feed slot not yet mapped to a graph slot (see the module docstring); never
+    left in a node: `_Merger.bind` resolves it."""
+    slot: int
+
+
+def _graph_slots(st: _State) -> set:
+    out = set()
+
+    def scan(s):
+        if isinstance(s, tuple):
+            for a in s:
+                scan(a)
+        elif isinstance(s, FeedRef):
+            out.add(s.slot)
+        elif isinstance(s, Carried):
+            scan(s.init)
+    for n in st.nodes.values():
+        scan(tuple(n.inputs))
+    return out
+
+
 class _Merger:
     def __init__(self, st: _State, trace: Trace, tid: int, bad: set, hints=None):
         self.st, self.trace, self.tid, self.bad = st, trace, tid, bad
@@ -421,6 +454,10 @@ class _Merger:
         # 1347-op trace quadratic: 0.8 s)
         self.trail = {}
         self.first_feed_use = {}
+        # this trace's feed slot -> graph slot, and back (one-to-one; undone with a failed fold)
+        self.slot_map, self.slot_owner = {}, {}
+        self.used_slots = _graph_slots(st)
+        self.next_slot = max(self.used_slots, default=-1) + 1
         for r in trace.records:
             for ref in _refs(r.inputs):
                 if isinstance(ref, FeedRef):
@@ -460,7 +497,8 @@ class _Merger:
         srcs = tuple(self.source(a, ctx) for a in rec.inputs)
         chosen = None
         groups = self.candidates(lv, cur, key)  # children first, then merge-back targets
-        if idx in self.hints and not ctx.chain:
+        hinted = idx in self.hints and not ctx.chain
+        if hinted:
             # aligned with earlier traces: their nodes, a child, or a new node (a folded loop's
             # body is matched per iteration instead: an iteration the other trace lacks is new
             # to the diff but not to the body)
@@ -471,25 +509,42 @@ class _Merger:
         for group in groups:
             for n in group:
                 fit = self.compat(st.nodes[n], srcs, ctx, idx)
-                if fit and not fit[1]:
+                if fit and not fit[1] and not fit[2]:
                     chosen = (n, fit)  # exact: nothing to add
                     break
                 if fit and chosen is None:
                     chosen = (n, fit)
             if chosen is not None:
                 break
+        if hinted and (chosen is None or chosen[1][1]):
+            chosen = self.same_inputs(lv, cur, key, srcs, ctx, idx) or chosen
         if chosen is None:
-            node = st.new_node(lv, OP, key, rec, srcs)
+            node = st.new_node(lv, OP, key, rec, self.bind(srcs, {}))
             node.folded = ctx.folded  # (a new node: undone with it)
         else:
             node = st.nodes[chosen[0]]
-            st.set_attr(node, "inputs", list(chosen[1][0]))
+            st.set_attr(node, "inputs", list(self.bind(tuple(chosen[1][0]), chosen[1][2])))
         self.visit(node, ctx, idx)
         lv.add_edge(cur, node.id)
         self.passed(lv, cur, node)
         st.set_item(st.node_of, idx, node.id)
         st.set_item(st.chain_of, idx, ctx.chain)
         return node.id
+
+    def same_inputs(self, lv: _MLevel, cur: int, key, srcs, ctx, idx):
+        """(node, fit) of a node of `key` anywhere on the level (not reaching `cur`) that reads
+        exactly what the record reads, else None. Where the diff of the keys aligned an op with
+        another block's (a backward pass of repeated steps, aligned from its first step when
+        the second trace has fewer: each step's gradient reads its own step's forward values),
+        the aligned node needs a new phi or a node of its own, while the step's own node takes
+        the op as it is."""
+        for n in self.st.bykey.get((lv.id, key), ()):
+            if n == cur:
+                continue
+            fit = self.compat(self.st.nodes[n], srcs, ctx, idx)
+            if fit and not fit[1] and (n in lv.succ[cur] or not self.reaches(lv, n, cur)):
+                return n, fit
+        return None
 
     def visit(self, node: _MNode, ctx: _Ctx, idx: int):
         st = self.st
@@ -580,7 +635,8 @@ class _Merger:
             first = self.first_feed_use[arg.slot]
             if any(a <= first <= b for a, b in ctx.spans):
                 raise _NoFold(f"feed{arg.slot} is fed by another iteration")
-            return arg
+            mapped = self.slot_map.get(arg.slot)
+            return FeedRef(mapped) if mapped is not None else _Pending(arg.slot)
         if isinstance(arg, (VariableRef, ConstRef)):
             return arg
         raise TypeError(f"unknown input ref {arg!r}")
@@ -618,38 +674,87 @@ class _Merger:
             self.st.append(outs, v)
         return outs.index(v)
 
+    # ---- feed slots
+    def fresh_slot(self, slot: int) -> int:
+        """A graph slot for trace slot `slot` that no node and no other slot of this trace
+        uses: `slot` itself where free (the first trace keeps its numbering)."""
+        if slot not in self.used_slots and slot not in self.slot_owner:
+            return slot
+        while self.next_slot in self.used_slots or self.next_slot in self.slot_owner:
+            self.st.set_attr(self, "next_slot", self.next_slot + 1)
+        return self.next_slot
+
+    def bind(self, srcs, pairs: dict):
+        """`srcs` with every `_Pending` slot mapped: by `pairs` (trace slot -> graph slot, what
+        the chosen node's match needs), else to a fresh graph slot; the map records both."""
+        st = self.st
+        for b, a in pairs.items():
+            st.set_item(self.slot_map, b, a)
+            st.set_item(self.slot_owner, a, b)
+
+        def res(s):
+            if isinstance(s, tuple):
+                return tuple(res(a) for a in s)
+            if isinstance(s, Carried):
+                return Carried(res(s.init), s.update)
+            if not isinstance(s, _Pending):
+                return s
+            a = self.slot_map.get(s.slot)
+            if a is None:
+                a = self.fresh_slot(s.slot)
+                st.set_item(self.slot_map, s.slot, a)
+                st.set_item(self.slot_owner, a, s.slot)
+            return FeedRef(a)
+        return res(srcs)
+
+    def feed_fits(self, s, n, pairs: dict) -> bool:
+        """Whether trace slot `n` (a `_Pending`) can take graph slot `s` (a FeedRef) here: `s`
+        is no other slot's of this trace, nor claimed by another input of the record."""
+        if not (isinstance(s, FeedRef) and isinstance(n, _Pending)):
+            return False
+        if s.slot in self.slot_owner:
+            return False
+        got = pairs.get(n.slot)
+        if got is not None:
+            return got == s.slot
+        if s.slot in pairs.values():
+            return False
+        pairs[n.slot] = s.slot
+        return True
+
     def compat(self, node: _MNode, srcs, ctx, idx):
-        """(merged inputs, changed) if the record's sources fit `node`, else None."""
+        """(merged inputs, changed, feed slot pairs) if the record's sources fit `node`, else
+        None. The pairs (trace slot -> graph slot) are what the match maps (`bind`)."""
         old = node.inputs
         if len(old) != len(srcs):
             return None
-        out, changed = [], False
+        out, changed, pairs = [], False, {}
         for s, n in zip(old, srcs):
             if isinstance(s, tuple) or isinstance(n, tuple):
                 if not (isinstance(s, tuple) and isinstance(n, tuple) and len(s) == len(n)):
                     return None
                 items = []
                 for a, b in zip(s, n):
-                    r = self.slot(node, a, b, ctx, idx)
+                    r = self.slot(node, a, b, ctx, idx, pairs)
                     if r is None:
                         return None
                     items.append(r[0])
                     changed |= r[1]
                 out.append(tuple(items))
             else:
-                r = self.slot(node, s, n, ctx, idx)
+                r = self.slot(node, s, n, ctx, idx, pairs)
                 if r is None:
                     return None
                 out.append(r[0])
                 changed |= r[1]
-        return out, changed
+        return out, changed, pairs
 
-    def slot(self, node, s, n, ctx, idx):
-        if s == n:
+    def slot(self, node, s, n, ctx, idx, pairs):
+        if s == n or self.feed_fits(s, n, pairs):
             return s, False
         if isinstance(s, Carried):
             want = s.init if ctx.iter_pos == 0 else s.update
-            return (s, False) if n == want else None
+            return (s, False) if n == want or self.feed_fits(want, n, pairs) else None
         local = self.st.levels[node.level].members
         if isinstance(s, Phi):
             if not (isinstance(n, NodeOut) and n.node in local):
@@ -719,6 +824,14 @@ def _check_trace(trace):
 _DIFFED = 3  # earlier traces a new trace is diffed against (see `_alignment`)
 
 
+def _loose(key):
+    """An op key without its attrs, for the common ends of two traces: an op of another arity
+    (`AddN` over one gradient per step of an episode of another length) is the same program
+    point, and stopping there left a backward pass of repeated steps to the diff, which aligned
+    its first steps, not its last (each step's gradient reads its own step's forward values)."""
+    return key[:2] + key[3:]
+
+
 def _alignment(st: _State, trace: Trace, num_traces: int) -> dict:
     """Record index -> the nodes its op is aligned with in the earlier traces (most similar
     trace first; empty for an op no earlier trace has at that point: an inserted op).
@@ -731,7 +844,7 @@ def _alignment(st: _State, trace: Trace, num_traces: int) -> dict:
     paths of a residual CNN made 1600 nodes, 578 of them on one path only (with it: 1328 and
     34, the ops that do differ).
     Each alignment is a diff of the op keys against one earlier trace, after their common
-    prefix and suffix."""
+    prefix and suffix (compared without attrs: `_loose`)."""
     if num_traces == 0:
         return {}
     seqs = {t: {} for t in range(num_traces)}
@@ -742,16 +855,18 @@ def _alignment(st: _State, trace: Trace, num_traces: int) -> dict:
             for i in idxs:
                 seqs[t][i] = nid
     mine = [Node.op_key(r) for r in trace.records]  # a folded loop's ops match no node: no hint
+    loose_mine = [_loose(k) for k in mine]
     n = len(mine)
     ends = []
     for t, m in seqs.items():
         ref = [m[i] for i in sorted(m)]
         keys = [st.keys[k] for k in ref]
+        loose = [_loose(k) for k in keys]
         pre = 0
-        while pre < min(len(keys), n) and keys[pre] == mine[pre]:
+        while pre < min(len(keys), n) and loose[pre] == loose_mine[pre]:
             pre += 1
         suf = 0
-        while suf < min(len(keys), n) - pre and keys[-1 - suf] == mine[-1 - suf]:
+        while suf < min(len(keys), n) - pre and loose[-1 - suf] == loose_mine[-1 - suf]:
             suf += 1
         ends.append((pre + suf, -t, ref, keys, pre, suf))
     # a diff against every earlier trace costs their number squared over a site's builds: the

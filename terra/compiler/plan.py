@@ -134,7 +134,13 @@ class Planner:
         visit = self.visit_starts[n].index(rs[0])
         trips = node.loop.trip_counts[self.tid][visit]
         for fp in self.lw.feed_points.get(n, ()):  # Carried inits fed at the loop
-            self.add("feed", (n, fp.position), fp.source.slot, rs[0])
+            _, consumer, pos = fp.position  # (the slot its first read records: the trace's own)
+            first = next(r for r in rs if self.rec_node.get(r) == consumer)
+            ref = self.trace.records[first].inputs[pos[0]]
+            ref = ref[pos[1]] if len(pos) == 2 else ref
+            if not isinstance(ref, FeedRef):
+                raise ValueError(f"drive: record %{first} input {pos} is {ref!r}, not a feed")
+            self.add("feed", (n, fp.position), ref.slot, rs[0])
         depth, loop_id = len(node.loop.key[1]), node.loop.key[0]
         groups = {}
         for r in rs:

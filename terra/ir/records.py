@@ -207,12 +207,16 @@ class Fetch:
 # Feed.source of a constant the members of a shape group hold different values of (the
 # runtime puts the member's: terra/runtime/shape_groups.py)
 SHAPE_CONSTANT = "shape-constant"
+# Feed.source of a constant the paths of one site hold different values of (a site graph's
+# plan puts the path's: terra/compiler/site_constants.py)
+SITE_CONSTANT = "site-constant"
 
 
 @dataclass(frozen=True, slots=True)
 class Feed:
     """One external input: its spec and where it came from (e.g. "numpy", "python-scalar",
-    "eager-tensor", or SHAPE_CONSTANT: a shape group's constant the runtime puts)."""
+    "eager-tensor", SHAPE_CONSTANT: a shape group's constant the runtime puts, or SITE_CONSTANT:
+    a path's constant its site graph's plan puts)."""
     slot: int
     spec: TensorSpec
     source: str

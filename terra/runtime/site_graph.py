@@ -40,6 +40,7 @@ from tensorflow.core.protobuf import rewriter_config_pb2
 from terra.compiler.plan import Planner
 from terra.compiler.lower import FUSE_MAX_SHARED, lower
 from terra.compiler.merge import merge
+from terra.compiler.site_constants import feed_constants, varying_places
 from terra.compiler.shapes import unknown_shapes
 from terra.ir.records import Fetch, Trace
 from terra.compiler.channels import Unread
@@ -114,20 +115,30 @@ class SitePlan:
     where     (record, output) -> (fetch key, visit) for every output whose node is fetched.
     visits    fetch key -> elements one run on this path enqueues (visits of the node).
     nodes     node id per record (two paths agree on a prefix only if it maps to the same nodes).
+
+    `constants` ({slot: ConstRef}, compiler/site_constants.py): slots of `trace` that hold a
+    constant of the path, which the plan puts itself ("put" actions; in `sig` by value, so two
+    paths agree only where they put the same constants).
     """
 
-    def __init__(self, lowered, trace: Trace, path, tid=None):
+    def __init__(self, lowered, trace: Trace, path, tid=None, constants=None):
         p = Planner(lowered, trace, tid=tid)  # (`tid`: the lowered graph's own trace `tid`)
         events = [ev for ev in p.run() if ev.kind != "get"]
         self.path = path
         self.source = path.graph  # (a shape group's path gets another when its group rebuilds)
         self.n = len(trace.records)
         self.liveouts = frozenset(path.liveouts)
-        self.sig = [(ev.kind, ev.key, ev.value, ev.at) for ev in events]
+        constants = constants or {}
+        tensors = {slot: tf.constant(np.asarray(
+            c.value, dtype=tf.as_dtype(c.dtype).as_numpy_dtype)) for slot, c in constants.items()}
+        self.sig = [(ev.kind, ev.key, constants.get(ev.value, ev.value) if ev.kind == "feed"
+                     else ev.value, ev.at) for ev in events]
         self.ats = [ev.at for ev in events]
         self.actions = []
         for ev in events:
-            if ev.kind == "select":
+            if ev.kind == "feed" and ev.value in tensors:
+                self.actions.append((ev.at, "put", lowered.feeds[ev.key], tensors[ev.value]))
+            elif ev.kind == "select":
                 self.actions.append((ev.at, "put", lowered.case_selects[ev.key], ev.value))
             elif ev.kind == "cond":
                 self.actions.append((ev.at, "put", lowered.loop_conds[ev.key], ev.value))
@@ -214,21 +225,24 @@ class SiteGraph:
         self.built_for = key if key is not None else self.key_of(self.paths)
         if traces is None:
             traces = [site_trace(p) for p in self.paths]
+        # the paths' traces, then with their constants that vary between paths fed
+        self.source_traces, self.places = list(traces), varying_places(traces)
         old = previous.built_for if previous is not None else ()
-        if old and self.built_for[:len(old)] == old:
-            traces = previous.traces + list(traces[len(old):])
+        if old and self.built_for[:len(old)] == old and self.places == previous.places:
+            fed, puts = feed_constants(traces[len(old):], self.places)
+            traces, puts = previous.traces + fed, previous.puts + puts
             g, start = previous.lowered.graph, len(old)
         else:
-            traces, g, start = list(traces), None, 0
+            (traces, puts), g, start = feed_constants(traces, self.places), None, 0
         for t in traces[start:]:
             g = merge(g, t)
-        self.traces = traces
+        self.traces, self.puts = traces, puts
         self.merged_traces = len(traces) - start  # (tests: what a rebuild merged)
         self.lowered = lower(g, traces, timed=timed, commit=CONFIG.commit_writes,
                              shapes_known=CONFIG.commit_writes and _shapes_known(self.paths),
                              fuse=fuse)
         self.concrete = self.lowered.function
-        self.plans = {id(p): SitePlan(self.lowered, t, p, tid=k)
+        self.plans = {id(p): SitePlan(self.lowered, t, p, tid=k, constants=puts[k])
                       for k, (p, t) in enumerate(zip(self.paths, traces))}
         for p in self.paths:
             _check_reads_ahead(p, self.plans[id(p)])

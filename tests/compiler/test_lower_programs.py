@@ -15,6 +15,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from terra.ir.records import FeedRef  # noqa: E402
 from tests.compiler.driver import all_variables, twin_run  # noqa: E402
 
 CE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -126,6 +127,54 @@ def test_loop_trip_count_varies_per_step():
     # loop: each trip count is its own branch (switch_case), no while_loop.
     assert not run.lowered.loop_conds and run.lowered.stats["switch_case_ops"] >= 1
     assert len({c[2] for c in run.configs_driven}) >= 2
+
+
+def step_fed_episode(s, xs, y, w):
+    """An unrolled episode of `len(xs)` steps, each fed its own input, then a loss fed `y` and
+    `w`: the traces number those feeds by first use, so an episode of another length numbers
+    every feed of the loss differently (as actor_critic's returns)."""
+    params = [v for l in (s.inp, s.cell, s.head) for v in l.trainable_variables]
+    with tf.GradientTape() as tape:
+        h = s.inp(xs[0])
+        for x in xs[1:]:
+            h = s.cell(h) + s.inp(x)
+        loss = CE(y, s.head(h)) * w
+    s.opt.apply_gradients(zip(tape.gradient(loss, params), params))
+    float(loss)
+    return loss
+
+
+def test_feeds_numbered_differently_per_path_share_nodes():
+    """Two episode lengths: the loss and its gradient read feeds whose slots differ between
+    the two traces; the merge maps each trace's slots onto the graph's, so those ops are one
+    node each (not a node per path), and the lowered graph runs both lengths equal to eager."""
+    from terra.compiler.merge import merge
+    from tests.compiler.driver import record
+    rng = np.random.default_rng(4)
+
+    def cfg(n):
+        xs = [tf.constant(rng.normal(size=(4, 5)).astype("float32")) for _ in range(n)]
+        return xs, _data(rng)[1], tf.constant(float(rng.uniform(0.5, 2.0)))
+    s = build_cell()
+    t2, _ = record(step_fed_episode, s, *cfg(2))
+    t3, _ = record(step_fed_episode, s, *cfg(3))
+
+    def w_slot(t):  # the feed `loss * w` reads
+        (slot,) = {r.inputs[1].slot for r in t.records
+                   if r.op_type == "Mul" and isinstance(r.inputs[1], FeedRef)}
+        return slot
+    assert w_slot(t2) != w_slot(t3)
+    g = merge(merge(None, t2), t3)
+    muls = [n for n in g.op_nodes if n.op is not None and n.op.op_type == "Mul"
+            and isinstance(n.inputs[1], FeedRef)]
+    # `loss * w` and its gradient's `1.0 * w`: a node each, on both paths (a node per path
+    # each when slots were matched by number)
+    assert len(muls) == 2 and all(set(n.seen) == {0, 1} for n in muls)
+    configs = [cfg(n) for n in (2, 3, 2, 3, 3, 2, 2, 3)]
+    run = twin_run(build_cell, step_fed_episode, configs, variables=lambda s: s.variables)
+    # (the first step is a path of its own: the optimizer's first apply differs)
+    assert (run.driven, run.eager_b, run.lowerings, len(run.traces)) == (4, 4, 1, 3)
+    assert sorted(len(c[0]) for c in run.configs_driven) == [2, 2, 3, 3]
 
 
 def step_infer_loop(s, x, n):
