@@ -60,7 +60,7 @@ class CodeInfo:
     plain fall-through, told apart by the previous event's offset).
     """
     __slots__ = ("label", "internal", "library", "loops", "loop_ids", "traced", "code", "file",
-                 "name", "none_ignored")
+                 "name", "none_ignored", "calls")
 
     def __init__(self, code):
         self.code, self.file = code, os.path.basename(code.co_filename)
@@ -72,6 +72,34 @@ class CodeInfo:
         self.loop_ids = tuple(f"{self.label}@{start}" for start, _, _ in self.loops)
         self.traced = bool(self.loops) and not self.library  # user code with loops: line events
         self.none_ignored = (False,) * len(self.loops)
+        self.calls = None  # PRECALL offset -> its CALL's (`call_at`), made on first use
+
+    def call_at(self, lasti: int) -> int:
+        """The offset that names the call in flight at `lasti`: CPython 3.11 runs a call of a
+        C function (`sum`, `map`, `sorted`) in its PRECALL once specialized (after a few runs
+        of the code), else in the CALL after it, and `f_lasti` says which. One call, one
+        offset: else the ops a `sum(...)` of tensors issues moved to another location once the
+        step had run 7 times, and traces of one site recorded before and after stopped
+        sharing them."""
+        calls = self.calls
+        if calls is None:
+            calls = self.calls = _precalls(self.code)
+        return calls.get(lasti, lasti) if calls else lasti
+
+
+_PRECALL = dis.opmap.get("PRECALL")  # (CPython 3.11; 3.12 has none)
+
+
+def _precalls(code) -> dict:
+    """PRECALL offset -> offset of the CALL that follows it, in `code`."""
+    if _PRECALL is None or _PRECALL not in code.co_code[::2]:
+        return {}
+    out, pending = {}, None
+    for ins in dis.get_instructions(code):
+        if pending is not None and ins.opname == "CALL":
+            out[pending] = ins.offset
+        pending = ins.offset if ins.opcode == _PRECALL else None
+    return out
 
 
 def _line(code, lasti) -> int | None:
@@ -415,14 +443,15 @@ class Locator:
             then.append((name, -1 if offset == "op" else int(offset), mine))  # (`_op_frames`)
         n = min(len(live), len(then))
         e = 0
-        while e < n and live[e][1].label == then[e][0] and stack[live[e][0]].f_lasti == then[e][1]:
+        at = [info.call_at(stack[k].f_lasti) for k, info in live]
+        while e < n and live[e][1].label == then[e][0] and at[e] == then[e][1]:
             e += 1
         if e == 0 and not (n and live[0][1].label == then[0][0]):
             return
         new_pass = None  # the frame whose new pass made the new call below it
         if e < n and live[e][1].label == then[e][0] and (
-                stack[live[e][0]].f_lasti > then[e][1] or any(
-                    s <= stack[live[e][0]].f_lasti <= t and s <= then[e][1] <= t
+                at[e] > then[e][1] or any(
+                    s <= at[e] <= t and s <= then[e][1] <= t
                     for s, t, _ in live[e][1].loops)):
             same = e + 1  # the first frame that moved is the same call, gone on
         else:
@@ -447,7 +476,7 @@ class Locator:
                     state.iters[i] = 0  # (a loop left out of locations: the root's own)
             state.last = o_then
             state.last_child = new_call if j == new_pass else child
-            state.at(g.f_lasti, child)  # the passes since that op
+            state.at(info.call_at(g.f_lasti), child)  # the passes since that op
             tracer = getattr(g.f_trace, "__self__", None)
             if isinstance(tracer, FrameLoops):  # the root: line events count from here on
                 tracer.iters, tracer.last = list(state.iters), g.f_lasti
@@ -510,7 +539,7 @@ class Locator:
             info = _infos.get(f.f_code) or code_info(f.f_code)
             entry = None
             if not info.internal:
-                lasti = f.f_lasti
+                lasti = info.call_at(f.f_lasti)
                 if not info.loops:
                     entry = (info, lasti, ())
                 else:

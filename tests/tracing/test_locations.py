@@ -331,3 +331,21 @@ def test_an_operator_and_its_raw_op_have_the_users_frame_over_the_op():
         assert loc.frames[-1] == "gen_math_ops.py:mul@op"
         assert loc.frames[-2].startswith("test_locations.py:test_an_operator"), loc.frames
     assert any(f.startswith("dense.py:Dense.call@") for f in matmul.frames[:-1]), matmul.frames
+
+
+def test_a_sum_of_tensors_keeps_its_location_once_the_interpreter_specializes_the_call():
+    """CPython 3.11 runs a call of a C function in its PRECALL once the code is specialized
+    (after a few runs), else in the CALL: `f_lasti` of the frame calling `sum` moves from one
+    to the other, and with it the location of every op `sum` issues (traces of a site recorded
+    before and after would not share them)."""
+    def prog(xs):
+        return sum(x * x for x in xs)
+    def record(xs):  # (no trace function: CPython runs the specialized code, as in skip mode)
+        with Recorder(track_loops=False) as rec:
+            prog(xs)
+        return _locs(rec.trace, "AddV2")
+    xs = [X, X + 1.0]
+    cold = record(xs)
+    for _ in range(12):
+        prog(xs)
+    assert record(xs) == cold
