@@ -28,12 +28,12 @@ it, and a table of their values that the rules read instead of the op's proto.
 """
 from __future__ import annotations
 
-import weakref
 
 import numpy as np
 import tensorflow as tf
 
 from terra import _tf_private as tfp
+from terra.compiler.graph_memo import memo
 
 __all__ = ["FOLDABLE", "EVALUATED", "IDENTITY_RULES", "MAX_ELEMENTS", "fold", "identity_input",
            "graph_constant"]
@@ -130,9 +130,13 @@ def identity_input(op_type: str, flat_inputs) -> int | None:
     return 0 if rule(flat_inputs) else None
 
 
-# graph -> ({id(Const op): its value}, {(dtype, shape, bytes): tensor}) of the constants
-# `graph_constant` made there (the graph keeps its ops alive, so their ids stay unique)
-_MADE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# a graph's memo of the constants `graph_constant` made there: ({id(Const op): its value},
+# {(dtype, shape, bytes): tensor}) (the graph keeps its ops alive, so their ids stay unique)
+_MADE = "constants"
+
+
+def _made(g):
+    return memo(g, _MADE, lambda: ({}, {}))
 
 
 def graph_constant(value: np.ndarray, dtype) -> tf.Tensor:
@@ -143,7 +147,7 @@ def graph_constant(value: np.ndarray, dtype) -> tf.Tensor:
     g = tf.compat.v1.get_default_graph()
     dtype = tf.as_dtype(dtype)
     value = np.asarray(value, dtype=dtype.as_numpy_dtype)
-    values, shared = _MADE.get(g) or _MADE.setdefault(g, ({}, {}))
+    values, shared = _made(g)
     key = None
     if not tfp.control_inputs_pending() and not tfp.attr_scope_active():
         key = (dtype, value.shape, value.tobytes())
@@ -164,8 +168,7 @@ def _const_value(t):
     g = tf.compat.v1.get_default_graph()
     if t.graph is not g:
         return None
-    made = _MADE.get(g)
-    value = made[0].get(id(t.op)) if made is not None else None
+    value = _made(g)[0].get(id(t.op))
     return value if value is not None else tf.make_ndarray(t.op.get_attr("value"))
 
 

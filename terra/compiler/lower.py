@@ -47,7 +47,6 @@ for the commit (their value depends on a write, or they are enqueued inside such
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass, field
 import tensorflow as tf
 
@@ -63,6 +62,7 @@ from terra.ir.records import (SHAPE_CONSTANT, SITE_CONSTANT, ConstRef, FeedRef, 
                               Trace, VariableRef)
 from terra.ir.trace_graph import LOOP, Carried, IterFeed, NodeOut, Phi, Prev, TraceGraph
 from terra.compiler.channels import FeedChannel, FetchChannel
+from terra.compiler.graph_memo import memo
 from terra.compiler.names import op_node_name
 
 __all__ = ["lower", "Lowered", "FeedPoint", "LevelPlan", "TOP", "op_name"]
@@ -505,9 +505,6 @@ class _Scope:
         return default
 
 
-_DUMMIES = weakref.WeakKeyDictionary()  # graph -> {(dtype, dims): tensor}
-
-
 def _dummy(dtype, shape):
     """A zero value standing in for one a branch does not produce: one per graph, dtype and
     shape (a one-path site graph of a residual CNN asked for 936, and each `tf.zeros` cost
@@ -517,7 +514,7 @@ def _dummy(dtype, shape):
         raise ValueError(f"lower: cannot make a placeholder value of dtype {dtype} for a "
                          f"branch that does not produce it")
     dims = () if shape is None else tuple(0 if d is None else d for d in shape)
-    cache = _DUMMIES.setdefault(tf.compat.v1.get_default_graph(), {})
+    cache = memo(tf.compat.v1.get_default_graph(), "dummies", dict)  # {(dtype, dims): tensor}
     t = cache.get((dtype, dims))
     if t is None:
         with tf.control_dependencies(None):

@@ -182,6 +182,7 @@ class GraphRunner:
                     run.state = "running"
             if warm is not None:
                 self._instantiate(warm)
+                warm = run = None
                 continue
             t0 = time.perf_counter()
             try:
@@ -202,6 +203,9 @@ class GraphRunner:
                 self.runs_finished += 1
                 run._done.set()
                 self._cv.notify_all()
+            # the idle wait holds nothing: a finished run's function (its graph) is freed as soon
+            # as its owner lets go of it, not when the worker next runs or ends
+            run = outputs = error = None
 
     def _instantiate(self, warm):
         try:
