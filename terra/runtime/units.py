@@ -366,6 +366,13 @@ def _group_takes(q, new_feed) -> bool:
         and all(a is None or a == b for a, b in zip(spec.shape, shape))
 
 
+# attributes Keras' Python sets on a layer's output tensor and later code reads: skipped whole,
+# the call would return placeholders without them. A softmax's `_keras_logits` makes Keras'
+# cross-entropies take the logits (a from-logits kernel); without it they clip and take the log
+# of the probabilities, another op sequence whose gradients round differently from eager's.
+_KERAS_TAGS = ("_keras_mask", "_keras_logits")
+
+
 def layer_call(session, layer, original, args, kwargs, loss=None, state=(), entered=False):
     """A built-in Keras layer call, a call of a plain Sequential or functional model made of
     built-in layers, or (`loss`) of a built-in Keras loss object, as one coarse unit (guarded on
@@ -505,7 +512,7 @@ def layer_call(session, layer, original, args, kwargs, loss=None, state=(), ente
     refs = [rec.ref_of(t) if isinstance(t, tfp.EagerTensorBase) else None for t in outs]
     usable = (not any(isinstance(g, tuple) and g[0] == "external" for g in guard[2:])
               and all(r is not None for r in refs)
-              and not any(hasattr(t, "_keras_mask") for t in outs)
+              and not any(hasattr(t, a) for t in outs for a in _KERAS_TAGS)
               and not rec.too_long and len(rec.trace.records) > start)
     if usable and user:
         usable = layer_guards.impurity(watched, layer) is None

@@ -371,3 +371,40 @@ def test_a_model_that_is_no_unit_called_past_a_paths_end_switches_to_the_path_go
     switched = [e for e in terra.explain().splitlines()
                 if e.startswith("[switch]") and "op after the end of the path" in e]
     assert len(switched) == 3, terra.explain()
+
+
+def test_a_model_ending_in_softmax_keeps_its_logits_for_the_loss():
+    """Keras marks a softmax's output with its logits (`_keras_logits`) and its cross-entropies
+    then take the logits. A model whose output carries the mark is no unit (its last layer's
+    Python sets it on the placeholder in skip mode): skipped whole, it returned an unmarked
+    placeholder, the loss clipped and took the log of the probabilities instead, and the compiled
+    steps' updates rounded differently from eager's (a new path, too, at its first skip)."""
+    def make():
+        keras.utils.set_random_seed(4)
+        inp = keras.layers.Input((4,))
+        return keras.Model(inp, keras.layers.Dense(3, activation="softmax")(
+            keras.layers.Dense(8, activation="relu")(inp)))
+
+    def run(Tape, steps=8):
+        model, opt = make(), keras.optimizers.SGD(0.05)
+        rng = np.random.default_rng(2)
+        losses = []
+        for i in range(steps):
+            x = rng.normal(size=(8, 4)).astype(np.float32)
+            y = rng.integers(0, 3, size=(8,)).astype(np.int32)
+            with Tape() as tape:
+                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x)))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            losses.append(float(loss))
+        return losses, [v.numpy().tolist() for v in model.variables]
+
+    old = terra.config(grappler=False)  # (Grappler's rewrites round differently from eager)
+    try:
+        eager = run(tf.GradientTape)
+        with CompileCounter() as c:
+            got = run(tf.TerraGradientTape)
+    finally:
+        terra.config(**old)
+    assert got == eager, terra.explain()
+    c.assert_counts(traces=3, graph_builds=1, fallbacks=0)
