@@ -14,7 +14,7 @@ from terra.runtime.explain import EventKind
 from terra.runtime.generalize import generalize, read_changed_spans
 from terra.runtime.held import held_refs
 from terra.runtime.path_view import PathView
-from terra.runtime.sites import (KNOWN_FALLBACK_GAP, KNOWN_REUSE_GAP, Path, cut_trace,
+from terra.runtime.sites import (KNOWN_FALLBACK_GAP, KNOWN_REUSE_GAP, Path, borrowed_units, cut_trace,
                                  path_signature, reads_feed_values, state_tail, uncompilable,
                                  units_for)
 
@@ -53,6 +53,10 @@ class Filing:
             trace = cut_trace(trace, cut)
             shape_reads = trace.shape_reads
             units = {s: u for s, u in units.items() if u.end <= cut}
+            why = uncompilable(trace, units)
+        extra = borrowed_units(trace, units, site.paths.values())
+        if extra:
+            units = {**units, **units_for(trace, extra)}
             why = uncompilable(trace, units)
         sig = path_signature(trace, units)
         path = site.paths.get(sig)

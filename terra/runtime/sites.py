@@ -424,6 +424,58 @@ KNOWN_FALLBACK_GAP = 8
 KNOWN_REUSE_GAP = 4
 
 
+def borrowed_units(trace, units: dict, paths) -> dict:
+    """Units of the site's other paths that `trace` lacks where it has their ops: `{start:
+    unit}`, recorded units for `units_for`.
+
+    A trace recorded after a fallback has no unit for the call the fallback came in (its
+    recording began inside that call), nor for a call the path it fell from ran op by op; the
+    same ops traced eagerly have them. A unit of a path whose records equal the trace's up to
+    the unit's end is the same call: taken over, skip mode skips it whole on this path too,
+    and two traces of one path file as one (a second path would cost a trace, a build, and a
+    restart per switch, since runs switch only between paths that agree on the units so far).
+    Units whose Python read tensor values are not taken (what they read is this trace's own)."""
+    mine = [(u.start, u.end) for u in units.values()]
+    sig = None
+    out = {}
+    for q in paths:
+        extra = [u for u in q.units.values() if u.start not in units and u.start not in out
+                 and not u.reads]
+        if not extra:
+            continue
+        if sig is None:
+            sig = [_rec_sig(r) for r in trace.records]
+        theirs = q.signature[0]
+        common = 0
+        for a, b in zip(sig, theirs):
+            if a != b:
+                break
+            common += 1
+        slots = 0  # feed slots of equal spec, in order of first use: those the prefix shares
+        for f, g in zip(trace.feeds, q.trace.feeds):
+            if f.spec != g.spec:
+                break
+            slots += 1
+        for u in sorted(extra, key=lambda u: u.start):
+            spans = mine + [(v.start, v.end) for v in out.values()]
+            if u.end > common or any(a < u.start < b < u.end or u.start < a < u.end < b
+                                     for a, b in spans):
+                continue  # (a unit nests in another or lies apart from it)
+            if all(r.record < u.end if isinstance(r, OutputRef) else r.slot < slots
+                   for r in _refs_in((u.guard, u.result))):
+                out[u.start] = u
+    return out
+
+
+def _refs_in(value):
+    """The OutputRefs and FeedRefs in a nested tuple (a unit's guard or result)."""
+    if isinstance(value, (OutputRef, FeedRef)):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _refs_in(v)
+
+
 def units_for(trace, units) -> dict:
     """Copies of the recorded units with the feeds first used inside each (for this trace);
     units that read a non-tensor feed first inside, or hold a host op or an op whose output
