@@ -34,6 +34,9 @@ class GradUnit:
     api: bool = False
     # a gradient list's packing plan (units.py `_gradient_plan`): None packs by `structure`
     pack: tuple = None
+    # (flat result index, attribute, ref) of a Keras tag set on a result (a softmax's
+    # `_keras_logits`): skip mode sets it on the result's placeholder, to that ref's
+    tags: tuple = ()
 
 
 def barrier_records(trace: Trace, root) -> frozenset:

@@ -95,6 +95,8 @@ class UnitSkipping:
                 out.append(t)
             else:
                 out.append(self.placeholder(self.view.records[r.record], r.index, r))
+        for i, name, r in unit.tags:  # (units.py `_result_tags`)
+            setattr(out[i], name, self.placeholder(self.view.records[r.record], r.index, r))
         if self.pos == self.view.n and self.view.end_sync:
             self.iteration.wait_run()
         return out

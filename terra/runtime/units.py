@@ -12,7 +12,7 @@ from terra import _tf_private as tfp
 from terra.config import CONFIG
 from terra.runtime.mode import Mode, ON_PATH
 from terra.ir.op_kinds import UNSEEDED_RANDOM_OPS
-from terra.ir.records import ConstRef, FeedRef, VariableRef
+from terra.ir.records import ConstRef, FeedRef, OutputRef, VariableRef
 from terra.runtime.placeholders import Placeholder
 from terra.runtime.divergence import PAST_END, Diverged, Divergence, DivergenceKind, user_line
 from terra.runtime.path_view import GradUnit
@@ -369,8 +369,27 @@ def _group_takes(q, new_feed) -> bool:
 # attributes Keras' Python sets on a layer's output tensor and later code reads: skipped whole,
 # the call would return placeholders without them. A softmax's `_keras_logits` makes Keras'
 # cross-entropies take the logits (a from-logits kernel); without it they clip and take the log
-# of the probabilities, another op sequence whose gradients round differently from eager's.
+# of the probabilities, another op sequence whose gradients round differently from eager's. A
+# tag whose value the trace made is carried (`GradUnit.tags`: skip mode sets it on the result's
+# placeholder); any other keeps the call from being a unit.
 _KERAS_TAGS = ("_keras_mask", "_keras_logits")
+_CARRIED_TAGS = ("_keras_logits",)
+
+
+def _result_tags(rec, outs):
+    """`GradUnit.tags` of a call's flat results, or None where one holds a tag not carried."""
+    tags = []
+    for i, t in enumerate(outs):
+        for name in _KERAS_TAGS:
+            if not hasattr(t, name):
+                continue
+            v = getattr(t, name)
+            ref = rec.ref_of(v) if name in _CARRIED_TAGS and \
+                isinstance(v, tfp.EagerTensorBase) else None
+            if not isinstance(ref, OutputRef):
+                return None
+            tags.append((i, name, ref))
+    return tuple(tags)
 
 
 def layer_call(session, layer, original, args, kwargs, loss=None, state=(), entered=False):
@@ -510,15 +529,15 @@ def layer_call(session, layer, original, args, kwargs, loss=None, state=(), ente
         outs = [] if result is None else tf.nest.flatten(result, expand_composites=True)
         structure = _shape_of(result)
     refs = [rec.ref_of(t) if isinstance(t, tfp.EagerTensorBase) else None for t in outs]
+    tags = _result_tags(rec, outs)
     usable = (not any(isinstance(g, tuple) and g[0] == "external" for g in guard[2:])
-              and all(r is not None for r in refs)
-              and not any(hasattr(t, a) for t in outs for a in _KERAS_TAGS)
+              and all(r is not None for r in refs) and tags is not None
               and not rec.too_long and len(rec.trace.records) > start)
     if usable and user:
         usable = layer_guards.impurity(watched, layer) is None
     if usable:
         rec.units[start] = GradUnit(start, len(rec.trace.records), guard, tuple(refs),
-                                    structure=structure, reads=tuple(reads))
+                                    structure=structure, reads=tuple(reads), tags=tags)
     return result
 
 def function_call(session, fn, original, args, kwargs):

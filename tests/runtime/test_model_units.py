@@ -375,10 +375,10 @@ def test_a_model_that_is_no_unit_called_past_a_paths_end_switches_to_the_path_go
 
 def test_a_model_ending_in_softmax_keeps_its_logits_for_the_loss():
     """Keras marks a softmax's output with its logits (`_keras_logits`) and its cross-entropies
-    then take the logits. A model whose output carries the mark is no unit (its last layer's
-    Python sets it on the placeholder in skip mode): skipped whole, it returned an unmarked
-    placeholder, the loss clipped and took the log of the probabilities instead, and the compiled
-    steps' updates rounded differently from eager's (a new path, too, at its first skip)."""
+    then take the logits. Skipped whole, the model returned an unmarked placeholder, the loss
+    clipped and took the log of the probabilities instead, and the compiled steps' updates
+    rounded differently from eager's (a new path, too, at its first skip). The unit carries the
+    mark (`GradUnit.tags`): its placeholder gets the logits' placeholder."""
     def make():
         keras.utils.set_random_seed(4)
         inp = keras.layers.Input((4,))
@@ -408,3 +408,7 @@ def test_a_model_ending_in_softmax_keeps_its_logits_for_the_loss():
         terra.config(**old)
     assert got == eager, terra.explain()
     c.assert_counts(traces=3, graph_builds=1, fallbacks=0)
+    (path,) = [p for s in terra._SESSION.sites.values() for p in s.paths.values()
+               if p.graph is not None]
+    tagged = [u for u in path.units.values() if u.tags]
+    assert [name for u in tagged for _, name, _ in u.tags] == ["_keras_logits"], path.units
