@@ -7,6 +7,8 @@ reads only the site's data and the rules; the session hands in what it acts thro
 """
 from __future__ import annotations
 
+import functools
+
 from terra import _tf_private as tfp
 from terra.config import CONFIG
 from terra.runtime import policy
@@ -27,8 +29,9 @@ class Filing:
         self._builds, self._counters = builds, counters
         self._event, self._go_eager = event, go_eager
 
-    def file(self, it) -> None:
-        """File the trace `it` recorded (its recorder has stopped or is stopped here)."""
+    def file(self, it, last: bool = False) -> None:
+        """File the trace `it` recorded (its recorder has stopped or is stopped here). `last`:
+        no next iteration is known to come; what follows the filing waits for one."""
         rec = it.recorder
         trace = rec.stop()
         shape_reads = trace.shape_reads  # (a generalized trace below is made anew)
@@ -111,10 +114,26 @@ class Filing:
             # a known, bounded cost per occurrence, so it does not count towards max_fallbacks
             site.known_fallbacks += 1
             detail += "; a known path after compiled iterations: not held against max_fallbacks"
+        if last:
+            detail += "; what follows its filing (its graph) waits for the site's next iteration"
         self._event(EventKind.TRACE, site, it.number, detail, "")
+        decide = functools.partial(self._decide, site, path, it.number, it.fallback_gap, new,
+                                   why)
+        if last:
+            # no next iteration is known to come (`terra.end_iteration()`, `reset()`, the
+            # owner thread's exit): a graph built now may never run (a training loop's last
+            # step, which diverged into the program's reads after the loop). The decisions
+            # wait for the site's next iteration, which makes them before predicting its path.
+            site.deferred.append(decide)
+            return
+        decide()
+
+    def _decide(self, site, path, number, fallback_gap, new, why) -> None:
+        """After filing `path`: join a shape group, build its graph (policy.due), rebuild
+        stale paths, note the path in the site's history, and decide whether the site gives up."""
         if new and why is None and CONFIG.shape_groups and \
-                self._builds.join_group(site, path, it.number) == "reuse" and \
-                it.fallback_gap is not None:
+                self._builds.join_group(site, path, number) == "reuse" and \
+                fallback_gap is not None:
             # a new shape on a group's graph costs this trace and no build: bounded per shape
             # (a site whose shapes never repeat gives up through the churn rule below)
             site.known_fallbacks += 1
@@ -122,10 +141,10 @@ class Filing:
             # a path not yet due for a build still takes another path's graph over its own
             # variables at once (no build: a task's model made anew); a compiled path that
             # learned a fetch is rebuilt at once
-            due = path.graph is not None or policy.due(site, path, it.number)
-            self._builds.build(site, path, it.number, reuse_only=not due)
-            if new and path.rebound is not None and it.fallback_gap is not None and \
-                    it.fallback_gap >= KNOWN_REUSE_GAP:
+            due = path.graph is not None or policy.due(site, path, number)
+            self._builds.build(site, path, number, reuse_only=not due)
+            if new and path.rebound is not None and fallback_gap is not None and \
+                    fallback_gap >= KNOWN_REUSE_GAP:
                 site.known_fallbacks += 1  # a bounded cost per occurrence: see KNOWN_REUSE_GAP
         elif path.view is None and path.graph is not None:
             path.view = PathView(path.trace, path.usable_units(), site.key, site.caller_step_try,
@@ -135,21 +154,21 @@ class Filing:
             # Python read where the path's graph did not fetch it) is rebuilt now: a stale path
             # is never predicted, and might never be traced again to be rebuilt
             if other is not path and other.graph is not None and other.stale:
-                self._builds.build(site, other, it.number)
+                self._builds.build(site, other, number)
         if path.graph is not None:
             site.last_path = path
         site.note_path(path)
         if why is not None and path.count >= 2 and site.eager_reason is None and \
                 site.predict() is None:
-            self._go_eager(site, it.number, f"a repeating path cannot be compiled: {why}")
+            self._go_eager(site, number, f"a repeating path cannot be compiled: {why}")
         if site.eager_reason is None and site.predict() is None and \
                 site.traces >= CONFIG.max_traces and \
                 id(site) not in self._builds.builder.sites_building():
-            self._go_eager(site, it.number, f"{site.traces} traces without a compilable repeat"
+            self._go_eager(site, number, f"{site.traces} traces without a compilable repeat"
                            + (f" (last: {why})" if why else ""))
         verdict = policy.give_up(policy.Tally.of(site, CONFIG.max_traces, CONFIG.max_fallbacks))
         if verdict is not None and site.eager_reason is None:
-            self._go_eager(site, it.number, verdict[1])
+            self._go_eager(site, number, verdict[1])
 
 
 __all__ = ["Filing"]

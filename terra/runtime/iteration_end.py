@@ -4,6 +4,7 @@ path's last one run eagerly). `IterationEnd` holds these transitions of `Iterati
 (terra/runtime/iteration.py), which mixes it in; they share its state."""
 from __future__ import annotations
 
+import functools
 import time
 
 import tensorflow as tf
@@ -18,6 +19,20 @@ from terra.runtime.divergence import GRAPH_ERROR, Divergence, DivergenceKind, us
 from terra.tracing import hook
 
 FAILED = object()  # a run's result when it raised (a site graph's function returns None)
+
+
+def _take_site_graph(s, site, number) -> None:
+    """Build the site graph that restarts asked for (`Iteration.switch`)."""
+    if site.site_graph is None:
+        s.event("switch", site, number, f"{site.read_restarts} restarts cancelled runs Python "
+                "had read values of (each runs the graph up to them again): the site takes a "
+                "site graph (site_graph='auto')")
+    else:
+        s.event("switch", site, number, f"{site.outside_restarts} restarts after a read "
+                "involved paths outside the site graph "
+                f"({site.outside_restart_s:.2f} s of graph thrown away): it is rebuilt over "
+                "the site's compiled paths (site_graph='auto')")
+    s.builds.site_graph(site, number)
 
 
 class IterationEnd:
@@ -47,27 +62,22 @@ class IterationEnd:
             self.finish()
         s.inflight.collect()  # the next ops run eagerly
 
-    def finish(self) -> None:
-        """End the iteration (the next __enter__, reset, or leaving the site)."""
+    def finish(self, last: bool = False) -> None:
+        """End the iteration (the next __enter__, reset, or leaving the site). `last`: no next
+        iteration is known to come (`Session.end`): builds wait for the site's next one."""
         try:
-            self._finish()
+            self._finish(last)
             if self.site_graph_due:  # (`Iteration.switch`) between iterations, as builds are
                 self.site_graph_due = False
-                s, site = self.session, self.site
-                if site.site_graph is None:
-                    s.event("switch", site, self.number, f"{site.read_restarts} restarts "
-                            "cancelled runs Python had read values of (each runs the graph up "
-                            "to them again): the site takes a site graph (site_graph='auto')")
+                take = functools.partial(_take_site_graph, self.session, self.site, self.number)
+                if last:
+                    self.site.deferred.append(take)
                 else:
-                    s.event("switch", site, self.number, f"{site.outside_restarts} restarts "
-                            "after a read involved paths outside the site graph "
-                            f"({site.outside_restart_s:.2f} s of graph thrown away): it is "
-                            "rebuilt over the site's compiled paths (site_graph='auto')")
-                s.builds.site_graph(self.site, self.number)
+                    take()
         finally:
             self.close_gc()
 
-    def _finish(self) -> None:
+    def _finish(self, last: bool = False) -> None:
         s = self.session
         # The frame of the tape's site is needed only while the iteration runs. Once that frame
         # has returned, holding it would keep its locals (the last step's gradients, loss, tape)
@@ -89,7 +99,7 @@ class IterationEnd:
                 self._finish_skip()
         if self.mode == Mode.TRACING:
             self.replayed = {}  # bound placeholders keep what the program still holds
-            s.filing.file(self)
+            s.filing.file(self, last)
         if self.mode == Mode.SKIP:
             s.counters.python_exec_s += time.perf_counter() - self.t0 - self.stall
             if not self.path.hits:

@@ -229,6 +229,11 @@ class Session:
         if self.builds.builder.jobs:
             with self.internal():
                 self.builds.install_finished()
+        if site.deferred:  # (Filing.file, `last`): what the last iteration's end left to do
+            todo, site.deferred = site.deferred, []
+            with held_interrupts(), self.internal():
+                for step in todo:
+                    step()
         if self.inflight.pending and (site.eager_reason is not None or
                                       site.predict() is None):
             with held_interrupts():  # ops of this iteration run eagerly: earlier runs end first
@@ -302,7 +307,7 @@ class Session:
             with held_interrupts():
                 if it is not None and it.mode != Mode.DONE:
                     with self.internal():
-                        it.finish()
+                        it.finish(last=True)
                 self.inflight.collect()
                 with self.internal():  # no run is left: take what runs left unread
                     for g in self._graphs:

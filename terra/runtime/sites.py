@@ -304,6 +304,9 @@ class Site:
     successors: dict = field(default_factory=dict)
     order_hits: dict = field(default_factory=dict)   # run length -> next paths it predicted
     path_ids: int = 0                     # ids handed out (paths over old objects may be dropped)
+    # what the filing of an iteration no next one was known to follow left for the site's next
+    # iteration to do first (filing.Filing.file, `last`): its builds and decisions
+    deferred: list = field(default_factory=list)
 
     def new_path_id(self) -> int:
         self.path_ids += 1

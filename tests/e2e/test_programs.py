@@ -230,7 +230,9 @@ def prog_early_exit(Tape, steps=40):
 def test_data_dependent_early_exit():
     stats, explain = run_both(prog_early_exit)
     assert_coexecuted(stats, explain)
-    assert (stats["traces"], stats["graph_builds"], stats["fallbacks"]) == (4, 2, 1), explain
+    # the exit's iteration falls back and is traced; its path's graph would be built by a next
+    # iteration, which does not come (runtime/filing.py, `last`)
+    assert (stats["traces"], stats["graph_builds"], stats["fallbacks"]) == (4, 1, 1), explain
 
 
 # 8 ------------------------------------------------------------------ two tapes, two optimizers

@@ -183,8 +183,9 @@ def test_loss_scaling_skips_an_overflowed_step_as_eager_does():
     _equal(got, eager)
     # p1 built at iteration 3; the 1e6 factor (prepared in iteration 25) falls back and
     # generalizes p1 to p2 (built); at 26 the finite check the optimizer read has changed: a
-    # fallback to p3 (built); iteration 30's reads after the loop fall back to p4 (built)
-    c.assert_counts(traces=6, graph_builds=4, fallbacks=3)
+    # fallback to p3 (built); iteration 30's reads after the loop fall back to p4 (not built:
+    # no next iteration came, runtime/filing.py, `last`)
+    c.assert_counts(traces=6, graph_builds=3, fallbacks=3)
 
 
 def _accumulated(Tape, steps=30):

@@ -139,8 +139,9 @@ def test_a_read_of_an_eager_twin_is_a_read_in_the_trace_of_a_fallback(read):
         __import__("terra").explain()
     # p1 (the variable read) is filed at its fallback at iteration 4 and runs from iteration 5
     # on with no fallback at the host op (without the read in its trace: one more trace,
-    # fallback and build there); the last fallback is the block ending inside an iteration
-    c.assert_counts(traces=4, fallbacks=2, graph_builds=3, path_switches=0)
+    # fallback and build there); the last fallback is the block ending inside an iteration,
+    # whose path is not built (no next iteration came: runtime/filing.py, `last`)
+    c.assert_counts(traces=4, fallbacks=2, graph_builds=2, path_switches=0)
 
 
 def test_the_graph_fetches_no_twin_and_one_found_without_its_value_is_fetched_after_all(
@@ -174,7 +175,9 @@ def test_the_graph_fetches_no_twin_and_one_found_without_its_value_is_fetched_af
     assert got[0] == eager[0] and (got[1].numpy() == eager[1].numpy()).all(), terra.explain()
     assert misses and {r.record for r in misses} <= twins
     assert {r.record for r in fetched} & twins == {r.record for r in misses}
-    c.assert_counts(traces=5, fallbacks=3, graph_builds=4, path_switches=0)
+    # (the block's end inside the last iteration is a fallback whose path is not built: no
+    # next iteration came, runtime/filing.py, `last`)
+    c.assert_counts(traces=5, fallbacks=3, graph_builds=3, path_switches=0)
 
 
 def _lm_program(Tape, lengths, steps=10):

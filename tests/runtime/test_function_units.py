@@ -82,7 +82,9 @@ def test_helpers_outside_tape_clip_and_metric():
     stats, explain = run_both(prog_outside_tape)
     assert_coexecuted(stats, explain)
     assert "coexecution" in explain.splitlines()[-1], explain
-    assert (stats["traces"], stats["graph_builds"], stats["fallbacks"]) == (4, 2, 1), explain
+    # (the loop's end falls back and is traced; its path is not built: no next iteration came,
+    # runtime/filing.py, `last`)
+    assert (stats["traces"], stats["graph_builds"], stats["fallbacks"]) == (4, 1, 1), explain
 
 
 # ------------------------------------------------------------------ Python argument retraces

@@ -279,8 +279,9 @@ def test_cycling_shapes_with_inputs_sliced_before_the_tape():
     _assert_same(got, eager)
     # lengths 9 and 6 form a shape group (one graph, which computes the shape constants from
     # the length it is fed), length 12 runs on it untraced; the last iteration (the variables
-    # read after the loop) is a path of its own
-    assert (stats["traces"], stats["graph_builds"], stats["graph_reuses"]) == (4, 2, 0), \
+    # read after the loop) is a path of its own, not built (no next iteration came:
+    # runtime/filing.py, `last`)
+    assert (stats["traces"], stats["graph_builds"], stats["graph_reuses"]) == (4, 1, 0), \
         terra.explain()
     assert stats["static_reads"] >= 3, terra.explain()
     assert stats["overlapped_iterations"] >= 3, stats

@@ -765,8 +765,10 @@ def test_a_unit_reading_a_value_it_computes_keeps_the_paths_on_their_graphs():
         terra.config(**old)
     _equal(got, eager)
     explain = terra.explain()
-    c.assert_counts(traces=6, graph_builds=5, fallbacks=3)
-    assert explain.count("no site graph for") == 2, explain
+    # (as in test_unit_reads, iteration 30's path is not built, nor the site graph tried over
+    # it: its filing waits for a next iteration, which does not come; runtime/filing.py)
+    c.assert_counts(traces=6, graph_builds=4, fallbacks=3)
+    assert explain.count("no site graph for") == 1, explain
     assert "ReadAhead: path p2 reads %182 at op #42, inside a unit, before an event of the " \
            "site graph due at op #52" in explain, explain
 
