@@ -98,3 +98,47 @@ def test_reset_ends_the_last_iteration_without_building_its_graph(monkeypatch):
     assert terra.stats()["graph_builds"] == 1
     terra.reset()  # ends iteration 8 (a fallback, traced as a new path), then forgets the site
     assert calls == [] and len(site.deferred) == 1
+
+
+def test_ending_every_iteration_by_hand_changes_no_decision(monkeypatch):
+    """A program that calls `terra.end_iteration()` after every step has each filing's
+    decisions made at the next step's start instead of at its own end: the same decisions in
+    the same order, so the same counts as with the decisions made at once (the filing's
+    `last` ignored), but for the last iteration's, which waits for a next iteration."""
+    from terra.runtime import filing
+
+    eager = epoch(tf.GradientTape, *make())
+
+    def run():
+        model, opt, data = make()
+        losses = []
+        for x, y in data:
+            x = x * 2.0
+            with tf.TerraGradientTape() as tape:
+                loss = tf.reduce_mean((model(x) - y) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            losses.append(float(loss))
+            terra.end_iteration()
+            if len(losses) == STEPS:
+                break
+        return losses, [v.numpy() for v in model.weights]
+
+    counts, file = {}, filing.Filing.file
+    for deferred in (True, False):
+        if not deferred:
+            monkeypatch.setattr(filing.Filing, "file", lambda self, it, last=False: file(self, it))
+        terra.reset()
+        with CompileCounter() as c:
+            got = run()
+        assert got[0] == eager[0]
+        for a, b in zip(got[1], eager[1]):
+            np.testing.assert_array_equal(a, b)
+        counts[deferred] = {k: getattr(c, k) for k in (
+            "iterations", "traces", "new_paths", "fallbacks", "graph_builds", "graph_reuses",
+            "path_switches")}
+    # (every iteration here is ended by hand: iteration 1 makes the optimizer's state, 2 and
+    # 3 trace the step, built when iteration 4 begins, 4-8 run its graph)
+    assert counts[True] == counts[False] == dict(iterations=8, traces=3, new_paths=2,
+                                                 fallbacks=0, graph_builds=1, graph_reuses=0,
+                                                 path_switches=0), counts
