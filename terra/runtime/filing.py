@@ -117,8 +117,8 @@ class Filing:
         if last:
             detail += "; what follows its filing (its graph) waits for the site's next iteration"
         self._event(EventKind.TRACE, site, it.number, detail, "")
-        decide = functools.partial(self._decide, site, path, it.number, it.fallback_gap, new,
-                                   why)
+        decide = functools.partial(self._decide, site, path, fallback_gap=it.fallback_gap,
+                                   new=new, why=why)
         if last:
             # no next iteration is known to come (`terra.end_iteration()`, `reset()`, the
             # owner thread's exit): a graph built now may never run (a training loop's last
@@ -126,11 +126,12 @@ class Filing:
             # wait for the site's next iteration, which makes them before predicting its path.
             site.deferred.append(decide)
             return
-        decide()
+        decide(it.number)
 
-    def _decide(self, site, path, number, fallback_gap, new, why) -> None:
+    def _decide(self, site, path, number, *, fallback_gap, new, why) -> None:
         """After filing `path`: join a shape group, build its graph (policy.due), rebuild
-        stale paths, note the path in the site's history, and decide whether the site gives up."""
+        stale paths, note the path in the site's history, and decide whether the site gives up.
+        `number`: the iteration deciding (the one that filed it, or the site's next one)."""
         if new and why is None and CONFIG.shape_groups and \
                 self._builds.join_group(site, path, number) == "reuse" and \
                 fallback_gap is not None:

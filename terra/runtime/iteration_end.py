@@ -69,11 +69,11 @@ class IterationEnd:
             self._finish(last)
             if self.site_graph_due:  # (`Iteration.switch`) between iterations, as builds are
                 self.site_graph_due = False
-                take = functools.partial(_take_site_graph, self.session, self.site, self.number)
+                take = functools.partial(_take_site_graph, self.session, self.site)
                 if last:
                     self.site.deferred.append(take)
                 else:
-                    take()
+                    take(self.number)
         finally:
             self.close_gc()
 

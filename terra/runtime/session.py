@@ -231,9 +231,10 @@ class Session:
                 self.builds.install_finished()
         if site.deferred:  # (Filing.file, `last`): what the last iteration's end left to do
             todo, site.deferred = site.deferred, []
+            number = self.counters.iterations + 1  # (the iteration begun below)
             with held_interrupts(), self.internal():
                 for step in todo:
-                    step()
+                    step(number)
         if self.inflight.pending and (site.eager_reason is not None or
                                       site.predict() is None):
             with held_interrupts():  # ops of this iteration run eagerly: earlier runs end first

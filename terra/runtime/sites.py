@@ -305,7 +305,8 @@ class Site:
     order_hits: dict = field(default_factory=dict)   # run length -> next paths it predicted
     path_ids: int = 0                     # ids handed out (paths over old objects may be dropped)
     # what the filing of an iteration no next one was known to follow left for the site's next
-    # iteration to do first (filing.Filing.file, `last`): its builds and decisions
+    # iteration to do first (filing.Filing.file, `last`): its builds and decisions, each a
+    # callable given the number of the iteration that performs it
     deferred: list = field(default_factory=list)
 
     def new_path_id(self) -> int:

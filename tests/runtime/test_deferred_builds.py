@@ -81,6 +81,7 @@ def test_the_last_iterations_new_path_is_built_only_when_the_site_runs_again():
     # not fetch: its rebuild, again, waits for a next iteration
     c2.assert_counts(iterations=8, traces=2, new_paths=1, fallbacks=2, graph_builds=1,
                      graph_reuses=1, path_switches=1)
+    assert "iteration 9: graph for path p2" in terra.explain()  # (said by the one building it)
     assert len(site.deferred) == 1
     for got, want in ((t1, e1), (t2, e2)):
         assert got[0] == want[0]
