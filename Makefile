@@ -37,7 +37,7 @@ bench-quick: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-.PHONY: bench-coexec bench-pipeline bench-ada-grouper bench-real bench-fit bench-soak bench-breakdown bench-ratio bench-limits results
+.PHONY: bench-coexec bench-pipeline bench-ada-grouper bench-real bench-fit bench-soak bench-breakdown bench-ratio bench-limits bench-latency results
 bench-coexec: $(STAMP)
 	$(PY) -m benchmarks.coexec
 
@@ -58,6 +58,9 @@ bench-ratio: $(STAMP)
 
 bench-limits: $(STAMP)
 	$(PY) -m benchmarks.limits
+
+bench-latency: $(STAMP)
+	$(PY) -m benchmarks.latency
 
 bench-pipeline: $(STAMP)
 	$(PY) benchmarks/pipeline.py

@@ -26,6 +26,7 @@ SECTIONS = (
     ("site_graph_heads.md", "python -m benchmarks.site_graph_heads"),
     ("site_build_growth.md", "python -m benchmarks.site_build_growth"),
     ("hook_overhead.md", "python -m benchmarks.hook_overhead"),
+    ("latency.md", "make bench-latency (python -m benchmarks.latency)"),
     ("pipeline.md", "python benchmarks/pipeline.py"),
     ("ada_grouper.md", "make bench-ada-grouper (python benchmarks/ada_grouper.py)"),
     ("ada_grouper_cluster.md", "unshare -rn sh -c 'ip link set lo up && python benchmarks/ada_grouper.py --cluster'"),
