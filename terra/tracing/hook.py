@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from terra import _tf_private as tfp
+from terra.tracing import purity
 
 _get_ident = threading.get_ident
 
@@ -85,18 +86,24 @@ def _intercepting() -> bool:
 def _dispatch(ic, op_type, inputs, attrs, route, run):
     global _busy
     _busy = True
+    w = purity.suspend()  # Terra's bookkeeping is not the user's Python: unwatched
     try:
+        if w is not None:
+            return ic.op(op_type, inputs, attrs, route, lambda: purity.watched(w, run))
         return ic.op(op_type, inputs, attrs, route, run)
     finally:
+        purity.resume(w)
         _busy = False
 
 
 def _notify(method, *args):
     global _busy
     _busy = True
+    w = purity.suspend()
     try:
         method(*args)
     finally:
+        purity.resume(w)
         _busy = False
 
 

@@ -32,7 +32,7 @@ import sys
 import types
 from typing import Optional
 
-__all__ = ["watch", "watching", "Watch", "impure_opcode", "settings", "unguarded_attribute", "PLAIN", "freeze"]
+__all__ = ["watch", "watching", "Watch", "suspend", "resume", "watched", "impure_opcode", "settings", "unguarded_attribute", "PLAIN", "freeze"]
 
 # opcodes through which a code object changes state other than its own locals
 _STATEFUL_OPS = frozenset({
@@ -88,6 +88,18 @@ def _trusted_dirs():
     return _TRUSTED, _LIBRARY
 
 
+_TRUSTED_FILE, _LIBRARY_FILE, _OTHER_FILE = 0, 1, 2
+_FILE_KINDS: dict = {}  # co_filename -> one of the above (every call event asks)
+
+
+def _file_kind(filename: str) -> int:
+    trusted, library = _trusted_dirs()
+    kind = _TRUSTED_FILE if filename.startswith(trusted) else \
+        _LIBRARY_FILE if filename.startswith(library + ("<frozen ", "<string>")) else _OTHER_FILE
+    _FILE_KINDS[filename] = kind
+    return kind
+
+
 def _code_facts(code):
     facts = _CODE_VERDICTS.get(code)
     if facts is None:
@@ -140,6 +152,9 @@ class Watch:
         self.complete = True  # False where nothing could be watched (another profiler)
         self._forced = frozenset(forced_codes)
         self._denied = frozenset(denied_codes)
+        # by identity (the sets above hold the codes alive): a code object hashes its contents
+        self._forced_ids = frozenset(id(c) for c in self._forced)
+        self._denied_ids = frozenset(id(c) for c in self._denied)
         self._trust: dict = {}  # id(frame) -> trusted, for frames entered while watched
         self._trusted, self._library = _trusted_dirs()
 
@@ -157,16 +172,16 @@ class Watch:
     def __call__(self, frame, event, arg):
         if event == "call":
             code = frame.f_code
-            f = code.co_filename
-            if code in self._denied:
+            if id(code) in self._denied_ids:
                 return self._fail(f"calls {code.co_qualname}")
-            if code in self._forced:
+            if id(code) in self._forced_ids:
                 trusted = False
-            elif f.startswith(self._trusted):
-                trusted = True
             else:
-                trusted = f.startswith(self._library + ("<frozen ", "<string>")) and \
-                    self._frame_trusted(frame.f_back)
+                kind = _FILE_KINDS.get(code.co_filename)
+                if kind is None:
+                    kind = _file_kind(code.co_filename)
+                trusted = kind == _TRUSTED_FILE or \
+                    kind == _LIBRARY_FILE and self._frame_trusted(frame.f_back)
             self._trust[id(frame)] = trusted
             if not trusted:
                 self._check_code(frame, code)
@@ -196,6 +211,35 @@ class Watch:
 
 
 _ACTIVE: list = []  # the watches open on this thread, innermost last
+
+
+def suspend():
+    """Stop watching while Terra's own bookkeeping runs (recording an op, locating it): it is
+    trusted code, and under the profile hook every call and C call it makes costs an event
+    (about a tenth of a traced step of a convolutional model). Returns the watch to `resume`,
+    or None where none is installed."""
+    w = sys.getprofile()
+    if isinstance(w, Watch):
+        sys.setprofile(None)
+        return w
+    return None
+
+
+def resume(w) -> None:
+    """Watch again after `suspend`, unless the verdict came in meanwhile (`Watch._fail`)."""
+    if w is not None and w.reason is None:
+        sys.setprofile(w)
+
+
+def watched(w, fn):
+    """`fn()` watched by `w` (suspended around it): an op's own execution inside a suspended
+    dispatch, which may run Python (a `tf.py_function`)."""
+    resume(w)
+    try:
+        return fn()
+    finally:
+        if sys.getprofile() is w:
+            sys.setprofile(None)
 
 
 def watching() -> bool:

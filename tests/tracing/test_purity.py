@@ -1,8 +1,10 @@
 """tracing/purity.py: which Python a watched call may run and still be skipped whole."""
 import math
 import random
+import sys
 
 import pytest
+import tensorflow as tf
 
 from terra.tracing import purity
 
@@ -140,3 +142,83 @@ def test_settings_freeze_containers_of_plain_values_only():
     assert dict(purity.settings(h))["cfg"] != got["cfg"]
     assert purity.unguarded_attribute(h, {"obj"}, lambda v: False) is not None
     assert purity.unguarded_attribute(h, {"cfg", "rate"}, lambda v: False) is None
+
+
+# ------------------------------------------------------- a watch while ops are recorded (the hook)
+def _ops(x):
+    return tf.reduce_sum(tf.nn.relu(x * 2.0) + 1.0)
+
+
+def test_recording_ops_inside_a_watch_leaves_a_pure_call_pure_and_unwatched():
+    """The hook suspends the watch while Terra records and locates an op (trusted code, whose
+    every call would otherwise be an event): the call's verdict and the ops recorded are as
+    before, and no event of Terra's own bookkeeping reaches the watch."""
+    from terra.tracing import Recorder
+    x = tf.ones((2, 2))
+    events = []
+
+    class Counting(purity.Watch):
+        def __call__(self, frame, event, arg):
+            if event == "call":
+                events.append(frame.f_code.co_filename)
+            return super().__call__(frame, event, arg)
+
+    ctx = purity.watch()
+    ctx.w = Counting()
+    with Recorder() as rec:
+        with ctx as w:
+            _ops(x)
+    assert w.reason is None
+    assert [r.op_type for r in rec.trace.records][-4:] == ["Mul", "Relu", "AddV2", "Sum"]
+    assert any(f.endswith("gen_nn_ops.py") for f in events)  # the op's own Python: watched
+    assert not any(f.endswith(("/terra/tracing/recorder.py", "/terra/tracing/locations.py"))
+                   for f in events)
+
+
+def test_python_an_op_runs_is_still_watched():
+    """An op's own execution stays watched inside the suspended dispatch: a `tf.py_function`
+    whose Python draws a random number makes the call impure."""
+    from terra.tracing import Recorder
+    x = tf.ones((2,))
+
+    def body(x):
+        return tf.py_function(lambda v: v * random.random(), [x], tf.float32)
+
+    with Recorder():
+        with purity.watch() as w:
+            body(x)
+    assert w.reason is not None and "random" in w.reason
+
+
+class _Counting(purity.Watch):
+    def __init__(self):
+        super().__init__()
+        self.events = 0
+
+    def __call__(self, frame, event, arg):
+        self.events += 1
+        return super().__call__(frame, event, arg)
+
+
+def test_suspend_and_resume():
+    assert purity.suspend() is None  # nothing installed: nothing to suspend
+    purity.resume(None)
+    assert sys.getprofile() is None
+    with purity.watch() as w:
+        got = purity.suspend()
+        random.random()  # suspended: not seen
+        while_suspended = w.reason
+        purity.resume(got)
+        random.random()  # watched again
+    assert got is w and while_suspended is None and "random" in w.reason
+    ctx = purity.watch()
+    ctx.w = _Counting()
+    with ctx as w:
+        got = purity.suspend()
+        w.reason = "decided"  # a verdict reached meanwhile: not watched again
+        purity.resume(got)
+        before = w.events
+        len(())  # an event if watched
+        after = w.events
+    assert after == before
+    assert sys.getprofile() is None
