@@ -218,13 +218,16 @@ def caller_step_try(frame) -> bool:
     return False
 
 
+# id(code) -> CodeInfo, which holds the code (so the id stays its own). Not keyed by the code:
+# a code object hashes its contents (constants, nested code objects) on every lookup, and a
+# location looks up every frame it walks.
 _infos: dict = {}
 
 
 def code_info(code) -> CodeInfo:
-    info = _infos.get(code)
-    if info is None:
-        info = _infos[code] = CodeInfo(code)
+    info = _infos.get(id(code))
+    if info is None or info.code is not code:
+        info = _infos[id(code)] = CodeInfo(code)
     return info
 
 
@@ -321,20 +324,21 @@ class LibraryFrameLoops:
         return out
 
 
-_traced: dict = {}  # code -> CodeInfo for user code with loops, None for every other code
+# id(code) -> (code, its CodeInfo for user code with loops, None for every other code)
+_traced: dict = {}
 
 
-def _global_trace(frame, event, arg, _get=_traced.get, _missing=_traced):
+def _global_trace(frame, event, arg, _get=_traced.get):
     """Called by CPython for every new (or resumed) frame on the recording thread: kept to one
     dict lookup for the frames that need nothing."""
-    info = _get(frame.f_code, _missing)
+    code = frame.f_code
+    hit = _get(id(code))
+    if hit is None or hit[0] is not code:
+        info = code_info(code)
+        hit = _traced[id(code)] = (code, info if info.traced else None)
+    info = hit[1]
     if info is None:
         return None
-    if info is _missing:
-        info = code_info(frame.f_code)
-        info = _traced[frame.f_code] = info if info.traced else None
-        if info is None:
-            return None
     return frame.f_trace or FrameLoops(info).tracer
 
 
@@ -536,7 +540,10 @@ class Locator:
                 if a is not _ABSENT:
                     node, top = a, True
                     self.memo_hits += 1
-            info = _infos.get(f.f_code) or code_info(f.f_code)
+            code = f.f_code
+            info = _infos.get(id(code))
+            if info is None or info.code is not code:
+                info = code_info(code)
             entry = None
             if not info.internal:
                 lasti = info.call_at(f.f_lasti)

@@ -170,6 +170,8 @@ class Watch:
         sys.setprofile(None)  # the verdict is in: the rest of the call runs unwatched
 
     def __call__(self, frame, event, arg):
+        if event == "c_return":  # the most frequent event, and nothing to do
+            return
         if event == "call":
             code = frame.f_code
             if id(code) in self._denied_ids:
@@ -188,7 +190,10 @@ class Watch:
         elif event == "return":
             self._trust.pop(id(frame), None)
         elif event == "c_call":
-            if not self._frame_trusted(frame) and not _c_call_ok(arg):
+            trusted = self._trust.get(id(frame))
+            if trusted is None:
+                trusted = self._frame_trusted(frame)
+            if not trusted and not _c_call_ok(arg):
                 self._fail(f"calls {getattr(arg, '__qualname__', arg)!s} "
                            f"({frame.f_code.co_filename}:{frame.f_lineno})")
 

@@ -699,8 +699,16 @@ def _owner_of_handle(handle):
 
 def _is_placeholder(v) -> bool:
     """A runtime placeholder (anything with `_terra_materialize`: tracing does not import the
-    runtime, as the hook does not)."""
-    return hasattr(type(v), "_terra_materialize")
+    runtime, as the hook does not). Asked of every input of every op a fallback records: the
+    answer is kept per type (a missed `hasattr` raises and catches an AttributeError)."""
+    t = type(v)
+    known = _PLACEHOLDER_TYPES.get(t)
+    if known is None:
+        known = _PLACEHOLDER_TYPES[t] = hasattr(t, "_terra_materialize")
+    return known
+
+
+_PLACEHOLDER_TYPES: dict = {}
 
 
 def _real(v):
