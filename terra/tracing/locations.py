@@ -48,6 +48,9 @@ _LIBRARY_DIRS = tuple(sorted({os.path.realpath(p) + os.sep for key in ("stdlib",
                               if p.endswith(("site-packages", "dist-packages"))}))
 _BACKWARD_JUMPS = {"JUMP_BACKWARD", "POP_JUMP_BACKWARD_IF_TRUE", "POP_JUMP_BACKWARD_IF_FALSE",
                    "POP_JUMP_BACKWARD_IF_NONE", "POP_JUMP_BACKWARD_IF_NOT_NONE"}
+_BACKWARD_JUMP_OPCODES = frozenset(dis.opmap[name] for name in _BACKWARD_JUMPS if name in dis.opmap)
+_EXTENDED_ARG = dis.opmap["EXTENDED_ARG"]
+_CACHE = dis.opmap.get("CACHE", 0)
 _BACKWARD_OPCODES = frozenset(dis.opmap[name] for name in
                               _BACKWARD_JUMPS | {"JUMP_BACKWARD_NO_INTERRUPT"} if name in dis.opmap)
 
@@ -90,15 +93,25 @@ class CodeInfo:
 _PRECALL = dis.opmap.get("PRECALL")  # (CPython 3.11; 3.12 has none)
 
 
+_CALL = dis.opmap.get("CALL")
+
+
 def _precalls(code) -> dict:
-    """PRECALL offset -> offset of the CALL that follows it, in `code`."""
-    if _PRECALL is None or _PRECALL not in code.co_code[::2]:
+    """PRECALL offset -> offset of the CALL that follows it, in `code`. Read from the raw
+    bytecode (2 bytes an instruction; inline caches are CACHE units between instructions, as
+    `dis` skips them): disassembling every code object a first trace meets took a few percent
+    of it."""
+    raw = code.co_code
+    if _PRECALL is None or _PRECALL not in raw[::2]:
         return {}
     out, pending = {}, None
-    for ins in dis.get_instructions(code):
-        if pending is not None and ins.opname == "CALL":
-            out[pending] = ins.offset
-        pending = ins.offset if ins.opcode == _PRECALL else None
+    for i in range(0, len(raw), 2):
+        op = raw[i]
+        if op == _CACHE:
+            continue
+        if pending is not None and op == _CALL:
+            out[pending] = i
+        pending = i if op == _PRECALL else None
     return out
 
 
@@ -125,15 +138,23 @@ def find_loops(code) -> tuple:
     ``while`` loop jumps to the condition, the loop end to the body) merge into one loop.
     Code without a backward-jump opcode (opcodes sit at even offsets of the bytecode) has none,
     found without disassembling it (most of the code a traced step runs through)."""
-    if not _BACKWARD_OPCODES.intersection(code.co_code[::2]):
+    raw = code.co_code
+    if not _BACKWARD_OPCODES.intersection(raw[::2]):
         return ()
-    line_starts = set()
+    line_starts = {offset for offset, _ in dis.findlinestarts(code)}
     jumps = []
-    for ins in dis.get_instructions(code):
-        if ins.starts_line is not None:
-            line_starts.add(ins.offset)
-        if ins.opname in _BACKWARD_JUMPS:
-            jumps.append((ins.argval, ins.offset))
+    extended = 0
+    for i in range(0, len(raw), 2):  # as `dis` reads it, without building its Instructions
+        op = raw[i]
+        if op == _CACHE:
+            continue
+        if op >= dis.HAVE_ARGUMENT:
+            arg = raw[i + 1] | extended
+            extended = arg << 8 if op == _EXTENDED_ARG else 0
+        else:
+            arg, extended = 0, 0
+        if op in _BACKWARD_JUMP_OPCODES:
+            jumps.append((i + 2 - 2 * arg, i))
     loops: list = []
     for start, end in sorted(jumps):
         for loop in loops:

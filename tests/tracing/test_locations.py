@@ -349,3 +349,93 @@ def test_a_sum_of_tensors_keeps_its_location_once_the_interpreter_specializes_th
     for _ in range(12):
         prog(xs)
     assert record(xs) == cold
+
+
+def _library_codes():
+    """Every code object (nested ones included) of the functions and methods of modules a step
+    runs through, and of this package's locator."""
+    import types
+
+    from keras.src.layers import layer
+    from keras.src.optimizers import base_optimizer
+    from tensorflow.python.eager import backprop
+    from tensorflow.python.ops import math_ops, nn_ops
+    from terra.tracing import locations
+
+    def codes(c):
+        yield c
+        for k in c.co_consts:
+            if isinstance(k, types.CodeType):
+                yield from codes(k)
+
+    for mod in (layer, base_optimizer, backprop, math_ops, nn_ops, locations):
+        for obj in vars(mod).values():
+            for fn in [obj] + (list(vars(obj).values()) if isinstance(obj, type) else []):
+                fn = getattr(fn, "__func__", fn)
+                if isinstance(fn, types.FunctionType):
+                    yield from codes(fn.__code__)
+
+
+def test_precall_offsets_read_from_raw_bytecode_are_those_dis_gives():
+    """`_precalls` scans the raw bytecode; `dis` is the reference (CPython 3.11 has PRECALL;
+    elsewhere both are empty)."""
+    import dis
+
+    from terra.tracing import locations
+
+    def by_dis(code):
+        out, pending = {}, None
+        for ins in dis.get_instructions(code):
+            if pending is not None and ins.opname == "CALL":
+                out[pending] = ins.offset
+            pending = ins.offset if ins.opname == "PRECALL" else None
+        return out
+
+    seen = 0
+    for c in _library_codes():
+        assert locations._precalls(c) == by_dis(c), c.co_qualname
+        seen += 1
+    assert seen > 500
+
+
+def test_loops_read_from_raw_bytecode_are_those_dis_gives():
+    """`find_loops` reads backward jumps (EXTENDED_ARG included: a loop body of more than 255
+    instructions) from the raw bytecode; the same ranges and heads as from `dis`."""
+    import dis
+
+    from terra.tracing import locations
+
+    def by_dis(code):  # the same merging, from dis' Instructions
+        if not locations._BACKWARD_OPCODES.intersection(code.co_code[::2]):
+            return ()
+        line_starts, jumps = set(), []
+        for ins in dis.get_instructions(code):
+            if ins.starts_line is not None:
+                line_starts.add(ins.offset)
+            if ins.opname in locations._BACKWARD_JUMPS:
+                jumps.append((ins.argval, ins.offset))
+        loops = []
+        for start, end in sorted(jumps):
+            for loop in loops:
+                s, e, heads = loop
+                if s <= start <= e and end > e or start == s:
+                    loop[1] = max(e, end)
+                    heads[start] = start in line_starts
+                    break
+            else:
+                loops.append([start, end, {start: start in line_starts}])
+        loops.sort(key=lambda l: (l[0], -l[1]))
+        return tuple((s, e, dict(h)) for s, e, h in loops)
+
+    src = "def long_loop(xs):\n    t = 0\n    for x in xs:\n" + \
+        "".join(f"        t += x * {k}\n" for k in range(300)) + "    return t\n"
+    ns = {}
+    exec(compile(src, "<long_loop>", "exec"), ns)
+    looped = 0
+    for c in list(_library_codes()) + [ns["long_loop"].__code__]:
+        loops = find_loops(c)
+        assert loops == by_dis(c), c.co_qualname
+        looped += bool(loops)
+    assert looped > 50
+    (start, end, _), = find_loops(ns["long_loop"].__code__)
+    assert end - start > 2 * 255
