@@ -1,10 +1,13 @@
 """Graph builds off the critical path (setting `background_builds`).
 
-A path's graph (lowering, tracing its concrete function), or a site's one graph over its paths
-(`site_graph`), is built on one builder thread while the program goes on; the session installs a finished build at the next iteration boundary
-(`Builds.install_finished`, builds.py), so no iteration sees a graph appear under it. Until then the path's
-iterations run as they would have before it was compiled: traced eagerly, or falling back from
-another path's graph.
+A path's graph (lowering, tracing its concrete function), a path's speculative shape group's
+(a group of one, `speculation`), or a site's one graph over its paths (`site_graph`), is built
+on one builder thread while the program goes on; the session installs a finished build at the
+next iteration boundary (`Builds.install_finished`, builds.py), so no iteration sees a graph
+appear under it. Until then the path's iterations run as they would have before it was
+compiled: traced eagerly, or falling back from another path's graph. A shape group of two or
+more members is built on the program's thread; a group of one still being built when a second
+member joins it is dropped when done.
 
 A build reads a copy of what the graph depends on (`BuildInputs`): the main thread goes on
 filing traces into the path meanwhile, and a path that learned a fetch since its build was
@@ -61,6 +64,8 @@ class Job:
     submitted: float = field(default_factory=time.perf_counter)
     seconds: float = 0.0        # the build's own time on the builder thread
     key: tuple = ()             # a site graph's job (path None): what it was built for
+    group: object = None        # a shape group's job (path its group's Path): the group
+    member_keys: dict = field(default_factory=dict)  # its members' build keys when submitted
 
     def merge_into(self, path) -> None:
         """The fetch points the build added (reads of shapes the graph does not know)."""
@@ -105,7 +110,10 @@ class Builder:
         return job
 
     def building(self, path) -> bool:
-        return any(j.path is path for j in self.jobs)
+        """Whether `path`'s graph is being built: its own, or its shape group's."""
+        group = getattr(path, "group", None)
+        mine = group.path if group is not None else path
+        return any(j.path is path or j.path is mine for j in self.jobs)
 
     def building_site_graph(self, site) -> bool:
         return any(j.path is None and j.site is site for j in self.jobs)

@@ -72,10 +72,10 @@ class Builds:
                            f"variable objects), {time.perf_counter() - t:.3f} s")
                 shared_graph = True
             if not shared_graph:
+                if self._speculate(site, path, number):
+                    return  # (its group's graph: built here, or submitted to the builder)
                 if CONFIG.background_builds:
                     self.builder.submit(site, path, number, PathGraph)
-                    return
-                if self._speculate(site, path, number):
                     return
                 graph = PathGraph(path)
         if shared_graph:  # a path of the site graph too: its branch is its variables'
@@ -240,7 +240,12 @@ class Builds:
 
     def build_group(self, site, g, number) -> None:
         """(Re)build the graph of shape group `g` from its relaxed trace, fetching what any
-        member reads, and put every member on it."""
+        member reads, and put every member on it. A speculative group's first graph (one
+        member, built at that path's first build) is submitted to the builder with
+        `background_builds`; a group of two or more members is built here."""
+        background = CONFIG.background_builds and g.speculative
+        if background and self.builder.building(g.path):
+            return  # (installed, and built again for members whose fetches grew, later)
         t = time.perf_counter()
         with self.internal(), widened(CONFIG.tracing_gc_threshold):
             gp = g.path
@@ -286,8 +291,15 @@ class Builds:
             # speculative group's one member puts all of its own: speculate)
             if not g.speculative:
                 g.derived = derive(g.relaxed, [m.trace for m in g.members])
-            graph = PathGraph(gp, unknown=g.unknown, derived=g.derived,
-                              bundled=sorted(set(g.relaxed.const_sites) - set(g.derived)))
+            bundled = sorted(set(g.relaxed.const_sites) - set(g.derived))
+            if background:
+                unknown, derived = g.unknown, g.derived
+                job = self.builder.submit(site, gp, number, lambda inputs: PathGraph(
+                    inputs, unknown=unknown, derived=derived, bundled=bundled))
+                job.group = g
+                job.member_keys = {id(m): m.build_key() for m in g.members}
+                return
+            graph = PathGraph(gp, unknown=g.unknown, derived=g.derived, bundled=bundled)
             graph.path = gp
             g.graph = gp.graph = graph
             for m in g.members:
@@ -347,6 +359,9 @@ class Builds:
             if path is None:
                 self._install_site_graph(site, job)
                 continue
+            if job.group is not None:
+                self._install_group(site, job)
+                continue
             error = job.future.exception()
             if error is not None:  # a build that fails is Terra's gap: the site runs eagerly
                 self.go_eager(site, job.number, f"building the graph of path p{path.id} "
@@ -366,6 +381,45 @@ class Builds:
                          f"{self.counters.iterations + 1}")
             if path.stale:  # it learned a fetch while its graph was being built
                 self.build(site, path, self.counters.iterations)
+
+    def _install_group(self, site, job) -> None:
+        """Put a speculative group's graph, built on the builder thread, in place: unless a
+        second member has made the group real meanwhile (its graph, rebuilt for both, serves
+        them). A member whose fetches grew during the build is built again."""
+        g = job.group
+        error = job.future.exception()
+        if error is not None:
+            self.go_eager(site, job.number, f"building the graph of shape group g{g.id} "
+                          f"raised {type(error).__name__}: {error}")
+            return
+        if not g.speculative or g.path.trace is not job.inputs.trace:
+            self.event("graph_build", site, job.number, f"the graph built for shape group "
+                       f"g{g.id} on the builder thread is dropped: the group has changed "
+                       f"meanwhile, and the graph built for it since runs its paths")
+            return
+        graph = job.future.result()
+        gp = g.path
+        job.merge_into(gp)
+        graph.path = gp
+        graph.build_seconds = job.seconds
+        with self.internal():
+            g.graph = gp.graph = graph
+            for m in g.members:
+                self._attach(site, g, m)
+                m.built_for = job.member_keys.get(id(m), m.built_for)
+        self._built(graph, site)
+        self.counters.graph_builds += 1
+        site.builds += 1
+        self.event("graph_build", site, job.number,
+                   f"graph for shape group g{g.id} (paths "
+                   f"{', '.join(f'p{m.id}' for m in g.members)}; {g.dims()}): "
+                   f"{len(gp.trace.records)} ops, {len(graph.feed_channels)} feeds, "
+                   f"{len(graph.fetch_channels)} fetches, {job.seconds:.2f} s on the builder "
+                   f"thread, installed at iteration {self.counters.iterations + 1}")
+        self.site_graph(site, job.number)
+        for m in g.members:
+            if m.stale:  # it learned a fetch while the graph was being built
+                self.build(site, m, self.counters.iterations)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the graphs being built and install them (see `terra.wait_builds`)."""

@@ -4,6 +4,7 @@ size and the counts made from it put as constants; the path with another size jo
 first trace with no build. Every program equals eager (to the last-bit rounding of its graph
 kernels, as in the e2e harness), with exact counts."""
 import os
+import threading
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -28,9 +29,9 @@ def speculation_restored():
     terra.config(speculation=old)
 
 
-def _net(Tape, ratios, hw=12, batch=4):
+def _net(Tape, ratios, hw=12, batch=4, on_step=None):
     """A small convnet whose forward pass resizes the feature map after its first block by
-    `ratio` (None: no resize), one step per element of `ratios`."""
+    `ratio` (None: no resize), one step per element of `ratios`; `on_step(i)` after step i."""
     keras.utils.set_random_seed(0)
     stem = keras.layers.Conv2D(4, 3, padding="same")
     block = keras.layers.Conv2D(6, 3, padding="same")
@@ -57,6 +58,8 @@ def _net(Tape, ratios, hw=12, batch=4):
             loss = loss_fn(y, head(tf.reduce_mean(h, axis=(1, 2))))
         opt.apply_gradients(zip(tape.gradient(loss, params), params))
         losses.append(float(loss))
+        if on_step is not None:
+            on_step(len(losses) - 1)
     terra.end_iteration()
     return losses, [v.numpy() for v in params + bn.non_trainable_variables + opt.variables]
 
@@ -130,6 +133,72 @@ def test_a_speculative_group_that_does_not_cover_a_path_is_rebuilt_for_both():
     (g,) = _groups()
     assert len(g.members) == 3
     assert c.speculations == 1 and c.speculation_hits == 1
+
+
+@pytest.fixture
+def background():
+    old = terra.config(background_builds=True)
+    yield
+    terra.reset()  # (ends the builder thread before the setting goes back)
+    terra.config(**old)
+
+
+def test_with_background_builds_the_group_of_one_is_built_on_the_builder_thread(background):
+    """Each step's builds are waited for after it (`wait_builds`), so the counts are exact
+    whatever the machine's speed: p0 (no resize) is built when iteration 3 begins and installed
+    after it; ratio 0.5 falls back at step 4, and its group of one is submitted when iteration
+    6 begins (step 5 falls back onto it: it is being built) and installed after it; ratio 0.75
+    falls back at step 7 and runs that graph from its first trace, no build. Without
+    speculation on the builder thread p1 got a path graph and 0.75 a group built for both on
+    the program's thread (3 builds)."""
+    ratios = [None, None, None, None, 0.5, 0.5, 0.5, 0.75, 0.75, None, 0.5, 0.75]
+    eager = _net(tf.GradientTape, ratios)
+    with CompileCounter() as c:
+        got = _net(tf.TerraGradientTape, ratios, on_step=lambda s: terra.wait_builds(60))
+    _assert_same(got, eager)
+    c.assert_counts(traces=6, fallbacks=3, graph_builds=2, graph_reuses=1, speculations=1,
+                    speculation_hits=1)
+    text = terra.explain()
+    assert "graph for shape group g0 (paths p1; 5 shape constants fed): 174 ops" in text, text
+    assert "on the builder thread, installed at iteration 7" in text, text
+    assert "path p2 runs the graph of shape group g0" in text, text
+
+
+def test_a_group_of_one_still_being_built_when_a_second_size_comes_is_dropped(
+        background, monkeypatch):
+    """The group of one (ratio 0.5) is submitted when iteration 6 begins and held on the
+    builder thread; ratio 0.75, traced at step 5, makes the group real when iteration 7
+    begins, and its graph, built on the program's thread for both, runs steps 6-11. The held
+    build, let go after step 7, is dropped, never installed over the group of two."""
+    from terra.runtime import builds as builds_module
+    gate = threading.Event()
+    real = builds_module.PathGraph
+
+    def held(*args, **kwargs):
+        if threading.current_thread().name.startswith("terra-builder") and \
+                kwargs.get("bundled"):
+            assert gate.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(builds_module, "PathGraph", held)
+
+    def on_step(step):
+        if step == 2:
+            assert terra.wait_builds(60)   # p0's own graph (not held)
+        if step == 7:
+            gate.set()
+            assert terra.wait_builds(60)
+
+    ratios = [None, None, None, None, 0.5, 0.75, 0.5, 0.75, 0.5, 0.75, None, 0.5]
+    eager = _net(tf.GradientTape, ratios)
+    with CompileCounter() as c:
+        got = _net(tf.TerraGradientTape, ratios, on_step=on_step)
+    _assert_same(got, eager)
+    c.assert_counts(traces=5, fallbacks=2, graph_builds=2, speculations=1, speculation_hits=0)
+    text = terra.explain()
+    assert "the graph built for shape group g0 on the builder thread is dropped" in text, text
+    (g,) = _groups()
+    assert len(g.members) == 2 and not g.speculative
 
 
 def _trace_of(ratio):
